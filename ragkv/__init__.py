@@ -1,0 +1,35 @@
+"""ragkv: cheaper, faster retrieval-augmented generation.
+
+Three stages, in data-flow order: :mod:`ragkv.dedup` collapses byte-identical retrieved
+chunks, :mod:`ragkv.assembler` builds token-level prompts in a canonical, cache-friendly
+order, and :mod:`ragkv.cache_engine` runs the model with paged prefix caching.
+
+Heavy submodules (torch, transformers) load lazily: ``import ragkv`` stays cheap, and a
+stage importing :mod:`ragkv.errors` never cycles back through this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ragkv._version import __version__
+from ragkv.errors import RagkvError
+
+if TYPE_CHECKING:
+    from ragkv.pipeline import Answer, Pipeline
+
+_LAZY = {
+    "Pipeline": "ragkv.pipeline",
+    "Answer": "ragkv.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ragkv' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["Answer", "Pipeline", "RagkvError", "__version__"]

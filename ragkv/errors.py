@@ -1,0 +1,85 @@
+"""The ragkv exception hierarchy.
+
+Every error ragkv raises on purpose is a :class:`RagkvError`, so callers can catch one
+base class. Subclasses also derive from the matching built-in (``ValueError``,
+``TypeError``, ``ImportError``) so generic handlers keep working. Messages say what to do.
+
+This module is a leaf: every stage may import it, it imports nothing from ragkv.
+"""
+
+from __future__ import annotations
+
+
+class RagkvError(Exception):
+    """Base class of every error raised by ragkv."""
+
+
+class InvalidInputError(RagkvError, ValueError):
+    """An argument has the wrong value (empty prompt, bad sampling value, bad metadata)."""
+
+
+class InvalidChunkError(InvalidInputError, TypeError):
+    """A retrieved chunk is not ``str``, ``bytes`` or :class:`ragkv.dedup.Chunk`."""
+
+
+class ConfigError(RagkvError, ValueError):
+    """A component was configured with an impossible or contradictory setting."""
+
+
+class PromptTooLongError(InvalidInputError):
+    """A prompt exceeds the model context or the whole KV pool; it is never truncated silently."""
+
+
+class UnsupportedModelError(RagkvError):
+    """The checkpoint's architecture or features (sliding window, recurrence, ...) are not supported."""
+
+
+class ModelNotFoundError(RagkvError, FileNotFoundError):
+    """A model directory or the embedded default model is missing."""
+
+
+class CacheCapacityError(RagkvError):
+    """The KV pool cannot hold a request even after preempting everything else."""
+
+
+class EngineClosedError(RagkvError):
+    """The engine was shut down; create a new one."""
+
+
+class RequestAbortedError(RagkvError):
+    """A request was aborted (client disconnect, timeout or explicit abort)."""
+
+
+class RemoteEngineError(RagkvError):
+    """An OpenAI-compatible server answered with an error or could not be reached."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class MissingDependencyError(RagkvError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra."""
+
+    def __init__(self, package: str, extra: str) -> None:
+        super().__init__(
+            f"{package} is not installed; run `pip install 'ragkv[{extra}]'` to use this feature."
+        )
+        self.package = package
+        self.extra = extra
+
+
+__all__ = [
+    "CacheCapacityError",
+    "ConfigError",
+    "EngineClosedError",
+    "InvalidChunkError",
+    "InvalidInputError",
+    "MissingDependencyError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RagkvError",
+    "RemoteEngineError",
+    "RequestAbortedError",
+    "UnsupportedModelError",
+]
