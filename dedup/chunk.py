@@ -1,0 +1,122 @@
+"""The chunk model: one retrieved passage, as text or raw bytes, plus its metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.dedup.hashing import hasher
+from ragkv.errors import InvalidChunkError, InvalidInputError
+
+
+def encode_text(text: str) -> bytes:
+    """UTF-8 bytes of ``text``; lone surrogates are kept (``surrogatepass``) instead of crashing."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A retrieved passage.
+
+    ``content`` is what the retriever returned: ``str`` or ``bytes``. Identity is always
+    the byte string :attr:`data`; :attr:`text` is for display and tokenization only.
+    ``source_id`` names the document the chunk came from (used to merge overlapping
+    windows), ``score`` is the retriever's relevance score, ``metadata`` is anything else.
+    """
+
+    content: str | bytes
+    source_id: str | None = None
+    score: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Caches, valid while ``content`` is the very object they were computed from.
+    _src: object = field(default=None, init=False, repr=False, compare=False)
+    _data: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _digest_algo: str | None = field(default=None, init=False, repr=False, compare=False)
+    _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        content = self.content
+        if type(content) is not str and type(content) is not bytes:
+            if isinstance(content, bytearray | memoryview):
+                self.content = bytes(content)
+            elif isinstance(content, str | bytes):  # subclasses: store the plain value
+                self.content = str(content) if isinstance(content, str) else bytes(content)
+            else:
+                raise InvalidChunkError(_bad_type_message(content))
+        if self.source_id is not None and not isinstance(self.source_id, str):
+            raise InvalidInputError(
+                f"Chunk.source_id must be str or None, got {type(self.source_id).__name__}"
+            )
+        if self.score is not None:
+            self.score = _check_score(self.score)
+        if not isinstance(self.metadata, dict):
+            raise InvalidInputError(
+                f"Chunk.metadata must be a dict, got {type(self.metadata).__name__}"
+            )
+        for key in self.metadata:
+            if not isinstance(key, str):
+                raise InvalidInputError(f"Chunk.metadata keys must be str, got {key!r}")
+
+    @property
+    def data(self) -> bytes:
+        """The chunk's bytes: UTF-8 for text, the content itself for bytes."""
+        content = self.content
+        if type(content) is bytes:
+            return content
+        if self._src is not content:
+            self._refresh(content)
+        return self._data
+
+    @property
+    def text(self) -> str:
+        """The chunk as text; invalid UTF-8 bytes are shown as U+FFFD (never used for identity)."""
+        content = self.content
+        if isinstance(content, str):
+            return content
+        return content.decode("utf-8", "replace")
+
+    def digest(self, algo: str = "blake3") -> bytes:
+        """Content hash of :attr:`data` under ``algo``, cached on the chunk."""
+        content = self.content
+        if self._src is not content:
+            self._refresh(content)
+        if self._digest_algo != algo:
+            self._digest = hasher(algo)(self._data)
+            self._digest_algo = algo
+        return self._digest
+
+    def _refresh(self, content: str | bytes) -> None:
+        self._src = content
+        self._data = encode_text(content) if isinstance(content, str) else content
+        self._digest_algo = None
+
+    @classmethod
+    def coerce(cls, obj: object) -> Chunk:
+        """Turn ``str`` / ``bytes`` / :class:`Chunk` into a Chunk; anything else is an error."""
+        if isinstance(obj, Chunk):
+            return obj
+        if isinstance(obj, str | bytes | bytearray | memoryview):
+            return cls(obj)  # type: ignore[arg-type]
+        raise InvalidChunkError(_bad_type_message(obj))
+
+
+def _check_score(score: object) -> float:
+    if isinstance(score, bool) or not isinstance(score, int | float):
+        raise InvalidInputError(f"Chunk.score must be a number or None, got {score!r}")
+    if math.isnan(score):
+        raise InvalidInputError("Chunk.score is NaN; pass None for 'no score'")
+    return score
+
+
+def _bad_type_message(obj: object) -> str:
+    if obj is None:
+        return "chunk is None; pass str, bytes or ragkv.dedup.Chunk"
+    return (
+        f"chunk of type {type(obj).__module__}.{type(obj).__qualname__} is not supported; "
+        "pass str, bytes or ragkv.dedup.Chunk (LangChain / LlamaIndex objects are "
+        "converted by ragkv.integrations)"
+    )
