@@ -1,0 +1,66 @@
+import pytest
+
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.errors import InvalidInputError
+
+
+def test_default_is_greedy_and_valid():
+    params = SamplingParams()
+    params.validate(vocab_size=100)
+    assert params.greedy
+    assert params.temperature == 0.0
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_single_stop_string_becomes_a_list():
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_stop_lists_are_copied_not_shared():
+    stops = ["x"]
+    params = SamplingParams(stop=stops)
+    stops.append("y")
+    assert params.stop == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": "7"}, "seed"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [3]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop token id"),
+        ({"stop_token_ids": [100]}, "stop token id"),
+        ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_settings_raise_invalid_input_naming_the_setting(kwargs, names):
+    with pytest.raises(InvalidInputError, match=names):
+        SamplingParams(**kwargs).validate(vocab_size=100)
+
+
+def test_stop_token_ids_are_only_range_checked_against_a_known_vocab():
+    SamplingParams(stop_token_ids=[10_000]).validate()
+    with pytest.raises(InvalidInputError, match=r"\[0, 50\)"):
+        SamplingParams(stop_token_ids=[10_000]).validate(vocab_size=50)
+
+
+def test_edge_values_are_accepted():
+    SamplingParams(
+        max_tokens=1, temperature=2.0, top_k=-1, top_p=1.0, min_p=1.0, logprobs=20, seed=0
+    ).validate(vocab_size=100)
+    SamplingParams(top_k=0, logprobs=0, stop_token_ids=[99]).validate(vocab_size=100)
