@@ -1,0 +1,123 @@
+"""Prompt layout and chat-template splicing.
+
+Layout (one, documented, used by every order policy)::
+
+    system message = static items ⊕ "Context:\\n" chunk ⊕ chunk ⊕ … ⊕ demoted items
+    then the history turns, each its own chat message
+    then one user message = the question (+ the generation prompt)
+
+Items inside the system message are joined with ``separator`` ("\\n\\n"), chunks with
+``chunk_delimiter`` ("\\n\\n"). Static items are the system prompt and few-shot examples;
+*demoted* items are static segments that turned out to change on every request (silent
+invalidators), moved after the chunks. Putting the context in the system message keeps the
+natural stable-first order inside any chat template: system, context, history, question.
+
+With a chat template, the template is rendered once per conversation shape (the roles of
+the history turns) around unique placeholder strings and split there; the static pieces are
+tokenized once and cached, and segment token ids are spliced between them. Without a chat
+template (or ``chat_template=False``) the plain layout is
+``system message ⊕ "\\n\\n{Role}: {turn}"… ⊕ "\\n\\nQuestion: {question}\\nAnswer:"``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ragkv.assembler.tokenization import TextTokenizer
+from ragkv.errors import ConfigError
+
+_MAX_FRAMES = 64
+
+
+@dataclass(slots=True, frozen=True)
+class Layout:
+    """The fixed text between segments."""
+
+    separator: str = "\n\n"
+    chunk_delimiter: str = "\n\n"
+    context_header: str = "Context:\n"
+    question_prefix: str = "\n\nQuestion: "  # plain layout only
+    answer_prefix: str = "\nAnswer:"  # plain layout only
+
+
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """Static text with its token ids, tokenized once."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class PromptTemplate:
+    """The static pieces of the prompt, tokenized once per conversation shape."""
+
+    def __init__(
+        self, tokenizer: TextTokenizer, layout: Layout | None = None, chat_template: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.layout = layout or Layout()
+        self.uses_chat_template = chat_template and tokenizer.chat_template is not None
+        self.separator = self.piece(self.layout.separator)
+        self.chunk_delimiter = self.piece(self.layout.chunk_delimiter)
+        self.context_header = self.piece(self.layout.context_header)
+        self._frames: OrderedDict[tuple[str, ...], tuple[Piece, ...]] = OrderedDict()
+
+    def piece(self, text: str) -> Piece:
+        """Tokenize a static string."""
+        return Piece(text, tuple(self.tokenizer.encode(text)))
+
+    def frame(self, history_roles: tuple[str, ...]) -> tuple[Piece, ...]:
+        """The static pieces around the message slots (system, each turn, question).
+
+        ``len(result) == len(history_roles) + 3``: before the system message content,
+        between consecutive slots, and after the question.
+        """
+        frame = self._frames.get(history_roles)
+        if frame is not None:
+            self._frames.move_to_end(history_roles)
+            return frame
+        texts = self._split(history_roles)
+        frame = tuple(self.piece(text) for text in texts)
+        self._frames[history_roles] = frame
+        if len(self._frames) > _MAX_FRAMES:
+            self._frames.popitem(last=False)
+        return frame
+
+    def _split(self, history_roles: tuple[str, ...]) -> list[str]:
+        roles = ("system", *history_roles, "user")
+        holders = [f"\ue000ragkv{i}\ue001" for i in range(len(roles))]
+        messages = [{"role": r, "content": h} for r, h in zip(roles, holders, strict=True)]
+        rendered = self._render(messages)
+        texts, rest = [], rendered
+        for holder in holders:
+            before, found, rest = rest.partition(holder)
+            if not found or holder in rest:
+                raise ConfigError(
+                    "The chat template does not reproduce each message's content verbatim "
+                    f"once (roles {roles}); pass chat_template=False to use the plain layout."
+                )
+            texts.append(before)
+        texts.append(rest)
+        return texts
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if not self.uses_chat_template:
+            return render_plain(messages, self.layout)
+        try:
+            return self.tokenizer.render_chat(messages)
+        except Exception as exc:  # jinja raises its own error types for unsupported roles
+            raise ConfigError(
+                f"The chat template cannot render roles {[m['role'] for m in messages]}: "
+                f"{exc}. Pass chat_template=False to use the plain layout."
+            ) from exc
+
+
+def render_plain(messages: list[dict[str, str]], layout: Layout) -> str:
+    """The plain (no chat template) rendering of system, history turns and question."""
+    system, *turns, question = messages
+    history = "".join(f"\n\n{m['role'].title()}: {m['content']}" for m in turns)
+    return (
+        f"{system['content']}{history}{layout.question_prefix}{question['content']}"
+        f"{layout.answer_prefix}"
+    )

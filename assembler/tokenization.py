@@ -1,0 +1,67 @@
+"""The few tokenizer operations the assembler needs, over any Hugging Face tokenizer.
+
+Text is always encoded without special tokens (no BOS/EOS added): the chat template, when
+there is one, supplies them. The fast Rust backend is used directly when present. Strings
+of the tokenizer's special tokens inside a text (``<|im_end|>`` in a retrieved chunk) are
+encoded as those special tokens, as Hugging Face does by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ragkv.errors import InvalidInputError
+
+
+class TextTokenizer:
+    """Encodes and decodes text with a Hugging Face tokenizer; ``key`` identifies it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise InvalidInputError(
+                "The assembler needs a Hugging Face tokenizer (e.g. AutoTokenizer.from_pretrained"
+                f"(path) or engine.tokenizer); got {type(tokenizer).__name__}."
+            )
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.key = tokenizer_key(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens kept, no clean-up of spaces."""
+        return self.tokenizer.decode(
+            list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template string, if it has one."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The chat template rendered as text, with the generation prompt appended."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+
+def tokenizer_key(tokenizer: Any) -> str:
+    """A string naming the tokenizer: name or path, vocab size, hash of its vocab/config."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else 0
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    else:
+        blob = json.dumps(getattr(tokenizer, "init_kwargs", {}), sort_keys=True, default=str)
+    digest = hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+    return f"{name}|{size}|{digest}"
