@@ -120,3 +120,29 @@ def _bad_type_message(obj: object) -> str:
         "pass str, bytes or ragkv.dedup.Chunk (LangChain / LlamaIndex objects are "
         "converted by ragkv.integrations)"
     )
+
+
+def make_chunk(
+    content: str | bytes,
+    source_id: str | None,
+    score: float | None,
+    metadata: dict[str, Any],
+    data: bytes,
+    digest_algo: str | None = None,
+    digest: bytes = b"",
+) -> Chunk:
+    """Build a Chunk from parts that are already valid (dedup's hot path skips ``__post_init__``).
+
+    ``data`` must be the bytes of ``content``; ``digest`` (if given) its hash under
+    ``digest_algo``, so a later :meth:`Chunk.digest` / registry lookup costs nothing.
+    """
+    chunk = object.__new__(Chunk)
+    chunk.content = content
+    chunk.source_id = source_id
+    chunk.score = score
+    chunk.metadata = metadata
+    chunk._src = content
+    chunk._data = data
+    chunk._digest_algo = digest_algo
+    chunk._digest = digest
+    return chunk
