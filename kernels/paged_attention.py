@@ -1,0 +1,324 @@
+"""paged_attention: causal varlen attention over K/V held in a paged block cache.
+
+One call covers a batch that mixes prefill-with-cached-prefix and decode. For sequence ``i``
+its ``q_len = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` query tokens are the *last* tokens of a
+sequence of ``seq_lens[i]`` tokens whose K/V (cached prefix and the new tokens, already
+stored) live in the blocks ``block_table[i]``::
+
+    keys     0 .............................. context-1 | context ... seq_len-1
+    queries                                              | 0 ........... q_len-1
+    query t sees keys 0 .. context + t  (bottom-right causal, context = seq_len - q_len)
+
+Triton kernel and torch reference side by side; :func:`paged_attention` dispatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ragkv.errors import InvalidInputError
+from ragkv.kernels.dispatch import Backend, check_cache, next_power_of_2, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch reference needs no triton
+    triton = None
+
+IntSeq = torch.Tensor | Sequence[int]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: IntSeq,
+    seq_lens: IntSeq,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged K/V; returns
+    ``[num_tokens, num_heads, head_dim]`` in ``q.dtype`` (fp32 accumulation).
+
+    ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, with
+    ``num_heads`` a multiple of ``num_kv_heads`` (MHA, GQA, MQA). ``block_table``: integer
+    ``[num_seqs, max_blocks_per_seq]``, padded past each sequence's blocks (never read).
+    ``cu_seqlens_q`` ``[num_seqs + 1]`` and ``seq_lens`` ``[num_seqs]`` may be int tensors or,
+    for the torch path, host-side Python lists (which saves a ``.tolist()`` per call).
+    ``max_seqlen_q`` spares the Triton path a host sync; ``max_seqlen_k`` is accepted for
+    API symmetry (the kernel reads each length on the device). ``backend``: "auto"
+    (Triton on CUDA, torch otherwise), "triton" or "torch".
+    """
+    check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise InvalidInputError(
+            f"q must be [num_tokens, num_heads, {k_cache.shape[3]}] with num_heads a multiple "
+            f"of num_kv_heads={k_cache.shape[2]}; got {tuple(q.shape)}."
+        )
+    if block_table.dim() != 2 or len(seq_lens) != block_table.shape[0]:
+        raise InvalidInputError(
+            f"block_table must be [num_seqs, max_blocks] with num_seqs == len(seq_lens) "
+            f"({len(seq_lens)}); got {tuple(block_table.shape)}."
+        )
+    if len(cu_seqlens_q) != len(seq_lens) + 1:
+        raise InvalidInputError("cu_seqlens_q must have len(seq_lens) + 1 entries.")
+    if use_triton(backend, q):
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q
+        )
+    return paged_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# torch reference: the engine's CPU path, so it is built for speed as well as exactness.
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: IntSeq,
+    seq_lens: IntSeq,
+    scale: float,
+) -> torch.Tensor:
+    """Torch path of :func:`paged_attention`: SDPA per sequence over its K/V.
+
+    A sequence whose blocks are consecutive in the cache reads them as a zero-copy view;
+    otherwise its blocks are gathered with one index op. Decode sequences that need a
+    gather are batched into a single padded, masked SDPA call.
+    """
+    cu = _to_list(cu_seqlens_q)
+    lens = _to_list(seq_lens)
+    block_size = k_cache.shape[1]
+    n_blocks = [-(-length // block_size) for length in lens]
+    first_block, consecutive = _consecutive_runs(block_table, n_blocks)
+    out = torch.empty_like(q)
+
+    gathered_decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and not consecutive[i]]
+    if len(gathered_decode) > 1:
+        _decode_gathered(q, k_cache, v_cache, block_table, cu, lens, n_blocks, gathered_decode, scale, out)  # fmt: skip
+    batched = set(gathered_decode) if len(gathered_decode) > 1 else set()
+
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        if i in batched or start == end:
+            continue
+        if consecutive[i]:
+            # Zero-copy: the sequence's blocks sit next to each other in the cache.
+            blocks = slice(first_block[i], first_block[i] + n_blocks[i])
+        else:
+            blocks = block_table[i, : n_blocks[i]].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        out[start:end] = _attend(q[start:end], k, v, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bottom-right causal SDPA of q ``[q_len, H, D]`` over k, v ``[kv_len, H_kv, D]``."""
+    q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    k = k.transpose(0, 1).unsqueeze(0)
+    v = v.transpose(0, 1).unsqueeze(0)
+    if q_len == 1:
+        # Decode: the query heads sharing a KV head become rows of one [G, D] query, so GQA
+        # needs no expansion and no mask (the single query sees every key).
+        q = q.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale).view(1, num_heads, head_dim)
+    q = q.transpose(0, 1).unsqueeze(0)
+    gqa = num_heads != num_kv_heads
+    if q_len == kv_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def _decode_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    n_blocks: list[int],
+    seqs: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One padded SDPA call for decode sequences whose blocks must be gathered."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    max_blocks = max(n_blocks[i] for i in seqs)
+    idx = torch.tensor(seqs, device=q.device)
+    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
+    table = block_table[idx, :max_blocks].long()
+    k = k_cache[table].view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[table].view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    seq_lens = torch.tensor([lens[i] for i in seqs], device=q.device)
+    mask = None
+    if bool((seq_lens != max_blocks * block_size).any()):
+        positions = torch.arange(max_blocks * block_size, device=q.device)
+        mask = (positions < seq_lens[:, None]).view(len(seqs), 1, 1, -1)
+    qg = q[rows].view(len(seqs), num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out[rows] = o.view(len(seqs), num_heads, head_dim)
+
+
+def _consecutive_runs(
+    block_table: torch.Tensor, n_blocks: list[int]
+) -> tuple[list[int], list[bool]]:
+    """Per sequence: its first block id and whether its ``n_blocks`` ids are consecutive."""
+    if block_table.shape[1] <= 1:
+        return block_table[:, 0].tolist() if block_table.shape[1] else [0] * len(n_blocks), [
+            True
+        ] * len(n_blocks)
+    steps = block_table[:, 1:] - block_table[:, :-1] != 1
+    breaks = torch.cat([steps, torch.ones_like(steps[:, :1])], dim=1)
+    run_len = (breaks.to(torch.uint8).argmax(dim=1) + 1).tolist()
+    first = block_table[:, 0].tolist()
+    return first, [run_len[i] >= n for i, n in enumerate(n_blocks)]
+
+
+def _to_list(x: IntSeq) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton: one varlen kernel for prefill-with-prefix and decode.
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: IntSeq,
+    seq_lens: IntSeq,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Triton path of :func:`paged_attention`.
+
+    Grid: (sequence, query tile, KV head). Each program packs the ``G`` query heads that
+    share its KV head with ``BLOCK_Q`` query tokens into ``BLOCK_M = BLOCK_Q * G`` rows, and
+    runs an online softmax over KV tiles read through the block table.
+    """
+    cu = _to_device(cu_seqlens_q, q.device)
+    lens = _to_device(seq_lens, q.device)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu[1:] - cu[:-1]).max()) if len(lens) else 0
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_m = max(16, next_power_of_2(group))
+    block_q = block_m // group
+    if len(lens) == 0 or max_seqlen_q == 0:
+        return out
+    grid = (len(lens), triton.cdiv(max_seqlen_q, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_table, cu, lens, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        group, head_dim, k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=32,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+def _to_device(x: IntSeq, device: torch.device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.int32)
+    return torch.tensor(list(x), device=device, dtype=torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        group, head_dim, block_size,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0).to(tl.int64)
+        q_tile = tl.program_id(1)
+        kv_head = tl.program_id(2).to(tl.int64)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        if q_tile * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len
+
+        # Row r of the tile is query token r // group of the tile, head kv_head*group + r % group.
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + rows // group
+        head = kv_head * group + rows % group
+        row_ok = (rows // group < BLOCK_Q) & (tok < q_len)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q_rows = (q_start + tok).to(tl.int64)
+        q_tile_ptr = q_ptr + (q_rows * stride_qt + head * stride_qh)[:, None] + d[None, :]
+        qv = tl.load(q_tile_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = context + tok
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+        # Keys past the tile's last query position are masked for every row: skip them.
+        kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
+        table_row = block_table_ptr + seq * stride_bt
+        for kv_start in range(0, kv_end, BLOCK_N):
+            k_pos = kv_start + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < kv_end
+            block = tl.load(table_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+            in_block = (k_pos % block_size).to(tl.int64)
+            k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
+            v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+            kt = tl.load(
+                k_cache_ptr + k_off[None, :] + d[:, None],
+                mask=k_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            s = tl.dot(qv, kt, input_precision=PRECISION) * qk_scale
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            # Key 0 is visible to every row in the first tile, so m_new is always finite.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vv = tl.load(
+                v_cache_ptr + v_off[:, None] + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+            m_i = m_new
+
+        acc = acc / l_i[:, None]
+        out_tile_ptr = out_ptr + (q_rows * stride_ot + head * stride_oh)[:, None] + d[None, :]
+        tl.store(
+            out_tile_ptr, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+        )
