@@ -1,0 +1,127 @@
+"""The fixed pool of KV blocks: ref counts, the LRU free queue and the hash → block map.
+
+Blocks are plain integers; per-block state lives in preallocated lists indexed by block id
+(no Python object per block). The free queue is an ``OrderedDict`` used as an O(1) LRU:
+``popitem(last=False)`` takes the head, ``del`` removes from the middle, assignment appends.
+
+A free block keeps its hash and stays findable until it is popped for reuse (lazy
+eviction). There is no reserved null block: every id in ``range(num_blocks)`` holds KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from operator import eq
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks shared by all requests of one engine."""
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        # The key a block is registered under, and the exact bytes that were hashed for it
+        # (parent ‖ tokens ‖ extras) so a hit can be verified byte for byte.
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_input: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
+        self.num_collisions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (cached or not): what ``allocate`` can hand out."""
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order, the next one to be reused first."""
+        return list(self._free)
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` are unreferenced (touching them shrinks the free queue)."""
+        return list(map(self.ref_counts.__getitem__, block_ids)).count(0)
+
+    def find_prefix(
+        self, hashes: Sequence[bytes], hash_inputs: Callable[[int], Iterable[bytes]]
+    ) -> list[int]:
+        """Blocks of the longest cached prefix of ``hashes`` whose stored input matches.
+
+        ``hash_inputs(n)`` yields the request's hash inputs of its first ``n`` blocks. A key
+        found with different stored bytes is a hash collision: counted, and the prefix ends.
+        """
+        if not self.enable_caching:
+            return []
+        hits = list(map(self.cached.get, hashes))
+        if None in hits:
+            del hits[hits.index(None) :]
+        same = list(map(eq, map(self.hash_input.__getitem__, hits), hash_inputs(len(hits))))
+        if False in same:
+            self.num_collisions += 1
+            del hits[same.index(False) :]
+        return hits
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Pop ``num_blocks`` from the free-queue head (evicting their hashes), ref count 1."""
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            if self.block_hash[block_id] is not None:
+                self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks, pulling unreferenced ones out of the free queue."""
+        refs, free = self.ref_counts, self._free
+        for block_id in block_ids:
+            if refs[block_id] == 0:
+                del free[block_id]
+            refs[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference each; blocks reaching zero join the queue tail in the given order."""
+        refs, free = self.ref_counts, self._free
+        for block_id in block_ids:
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                free[block_id] = None
+
+    def cache(self, block_id: int, block_hash: bytes, hash_input: bytes) -> bool:
+        """Register a full block under ``block_hash``; False if the key holds different bytes.
+
+        When the key already maps to a block with the same bytes (two requests computed the
+        same block independently), the first stays registered and ``block_id`` remains an
+        unregistered private copy of its request; that is still a success.
+        """
+        if not self.enable_caching:
+            return False
+        holder = self.cached.setdefault(block_hash, block_id)
+        if holder == block_id:
+            self.block_hash[block_id] = block_hash
+            self.hash_input[block_id] = hash_input
+            return True
+        if self.hash_input[holder] == hash_input:
+            return True
+        self.num_collisions += 1
+        return False
+
+    def reset(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is referenced."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.hash_input = [None] * self.num_blocks
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        del self.cached[self.block_hash[block_id]]
+        self.block_hash[block_id] = None
+        self.hash_input[block_id] = None
+        self.num_evictions += 1

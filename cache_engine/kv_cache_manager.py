@@ -1,0 +1,196 @@
+"""Per-request block tables over a :class:`BlockPool`, with automatic prefix caching.
+
+Protocol, as the scheduler drives it (vLLM v1 style)::
+
+    blocks, num_computed = manager.get_computed_blocks(req)      # no references taken
+    new = manager.allocate_slots(req, num_new_tokens, blocks)    # None: pool full, nothing changed
+    ... engine writes K/V of tokens [num_computed, num_computed + num_new_tokens) ...
+    new = manager.allocate_slots(req, 1)                         # each decode step
+    manager.free(req)                                            # finished or preempted
+
+Every block that becomes full of known tokens is registered at allocate time, so a request
+scheduled later in the same step may hit it (the engine writes all K/V of a layer before
+attention reads it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ragkv.cache_engine.block_hash import BlockHasher, HashFn, encode_extra_keys
+from ragkv.cache_engine.block_pool import BlockPool
+from ragkv.cache_engine.cache_stats import CacheStats
+from ragkv.errors import ConfigError
+
+
+class CacheRequest(Protocol):
+    """What the manager reads from a request."""
+
+    request_id: Hashable
+    token_ids: list[int]  # prompt + generated so far; grows
+    num_prompt_tokens: int
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    hasher: BlockHasher
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_blocks: int = 0  # leading full blocks already registered (or skipped)
+    cacheable: bool = True  # False after a collision: later hashes chain off a shared key
+
+
+class KVCacheManager:
+    """Block tables and prefix caching for every running request of one engine."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        algo: str | HashFn = "xxh3_128",
+        extra_keys: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ConfigError(
+                f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}"
+            )
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self._algo = algo
+        self._extra = encode_extra_keys(extra_keys)
+        self._requests: dict[Hashable, _RequestState] = {}
+        self._stats = CacheStats(num_blocks=num_blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks ``allocate_slots`` can still hand out (cached-but-free ones included)."""
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (compare with ``pool.num_blocks`` up front)."""
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[int], int]:
+        """Longest verified cached prefix: ``(block_ids, num_computed_tokens)``.
+
+        At most ``len(token_ids) - 1`` tokens are reused (for a new request, its prompt), so
+        the last token is always computed and yields logits. Takes no references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hasher = self._state(request).hasher
+        token_ids = request.token_ids
+        hasher.extend(token_ids[hasher.num_tokens :])
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        block_ids = self.pool.find_prefix(hasher.hashes[:max_blocks], hasher.hash_inputs)
+        num_computed = len(block_ids) * self.block_size
+        stats = self._stats
+        stats.queries += 1
+        stats.query_tokens += len(token_ids)
+        stats.hit_tokens += num_computed
+        stats.hit_blocks += len(block_ids)
+        return block_ids, num_computed
+
+    def allocate_slots(
+        self, request: CacheRequest, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; return the newly allocated block ids.
+
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, first call only) are touched.
+        Returns None, changing nothing, when the pool cannot hold the tokens.
+        """
+        state = self._state(request)
+        computed = computed_blocks if computed_blocks and not state.block_ids else []
+        num_computed = len(computed) * self.block_size if computed else state.num_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = max(
+            0, self.blocks_needed(num_total) - len(state.block_ids) - len(computed)
+        )
+        # Touching free computed blocks takes them out of the queue allocate pops from.
+        if num_new_blocks + self.pool.num_free_among(computed) > self.pool.num_free_blocks:
+            return None
+        if computed:
+            self.pool.touch(computed)
+            state.block_ids.extend(computed)
+            state.num_cached_blocks = len(computed)
+        new_block_ids = self.pool.allocate(num_new_blocks)
+        state.block_ids.extend(new_block_ids)
+        state.num_computed_tokens = num_total
+        self._cache_full_blocks(request, state, min(num_total, len(request.token_ids)))
+        return new_block_ids
+
+    def free(self, request: CacheRequest) -> None:
+        """Release the request's blocks, tail first, so its least shareable blocks go first."""
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self.pool.free(reversed(state.block_ids))
+
+    def block_table(self, request: CacheRequest) -> list[int]:
+        """The request's block ids in token order (the live list: do not mutate)."""
+        state = self._requests.get(request.request_id)
+        return state.block_ids if state is not None else []
+
+    def num_computed_tokens(self, request: CacheRequest) -> int:
+        """Tokens whose K/V exist once the last allocated step has run."""
+        state = self._requests.get(request.request_id)
+        return state.num_computed_tokens if state is not None else 0
+
+    def slot_mapping(self, request: CacheRequest, start: int, end: int) -> list[int]:
+        """KV slots (``block_id * block_size + offset``) of token positions ``[start, end)``."""
+        size, table = self.block_size, self.block_table(request)
+        slots: list[int] = []
+        pos = start
+        while pos < end:
+            stop = min(end, (pos // size + 1) * size)
+            base = table[pos // size] * size - pos // size * size
+            slots.extend(range(base + pos, base + stop))
+            pos = stop
+        return slots
+
+    def stats(self) -> CacheStats:
+        """A copy of the counters with the pool's current occupancy."""
+        pool, s = self.pool, self._stats
+        return CacheStats(
+            queries=s.queries,
+            query_tokens=s.query_tokens,
+            hit_tokens=s.hit_tokens,
+            hit_blocks=s.hit_blocks,
+            evictions=pool.num_evictions,
+            collisions=pool.num_collisions,
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            usage=1.0 - pool.num_free_blocks / pool.num_blocks,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing dropped) while any request holds blocks."""
+        return self.pool.reset()
+
+    def _state(self, request: CacheRequest) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            hasher = BlockHasher(
+                self.block_size, extra=self._extra, salt=request.cache_salt, algo=self._algo
+            )
+            state = self._requests[request.request_id] = _RequestState(hasher)
+        return state
+
+    def _cache_full_blocks(
+        self, request: CacheRequest, state: _RequestState, num_known: int
+    ) -> None:
+        num_full = num_known // self.block_size
+        if not self.enable_caching or not state.cacheable or num_full <= state.num_cached_blocks:
+            return
+        hasher = state.hasher
+        hasher.extend(request.token_ids[hasher.num_tokens :])
+        for i in range(state.num_cached_blocks, num_full):
+            if not self.pool.cache(state.block_ids[i], hasher.hashes[i], hasher.hash_input(i)):
+                state.cacheable = False
+                break
+        state.num_cached_blocks = num_full
