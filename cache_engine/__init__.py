@@ -2,7 +2,13 @@
 
 Pure-Python bookkeeping (block hashes, block pool, KV cache manager) decides which KV
 blocks a request can reuse; the model runner computes only the uncached suffix.
+
+The engine-side names (``Engine``, ``SamplingParams``, ``Output``, ...) load lazily, so the
+pure-Python cache core imports without torch.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ragkv.cache_engine.block_hash import BlockHasher, block_hashes
 from ragkv.cache_engine.block_pool import BlockPool
@@ -10,7 +16,37 @@ from ragkv.cache_engine.cache_stats import CacheStats
 from ragkv.cache_engine.default_model import default_model_path
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 
+if TYPE_CHECKING:
+    from ragkv.cache_engine.engine import Engine
+    from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
+    from ragkv.cache_engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "Engine": "ragkv.cache_engine.engine",
+    "EngineStats": "ragkv.cache_engine.outputs",
+    "Output": "ragkv.cache_engine.outputs",
+    "StreamDelta": "ragkv.cache_engine.outputs",
+    "Timings": "ragkv.cache_engine.outputs",
+    "Usage": "ragkv.cache_engine.outputs",
+    "SamplingParams": "ragkv.cache_engine.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ragkv.cache_engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "Engine",
+    "EngineStats",
+    "Output",
+    "SamplingParams",
+    "StreamDelta",
+    "Timings",
+    "Usage",
     "BlockHasher",
     "BlockPool",
     "CacheStats",

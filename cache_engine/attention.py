@@ -1,0 +1,89 @@
+"""Paged attention inside any supported Hugging Face model, via transformers' attention interface.
+
+The model runner loads the model with ``attn_implementation="ragkv_paged"`` and passes one
+:class:`StepContext` per forward call as the ``ragkv_step`` keyword argument; transformers
+forwards unknown keyword arguments from the model's ``forward`` down to every attention
+call. Each layer then (1) writes the step's new K/V into its paged cache and (2) attends
+over cached prefix + new tokens through the block table. The model never sees a
+transformers cache object, and no attention mask is materialized (the custom
+implementation is not in transformers' mask registry, so the mask is ``None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from ragkv.errors import RagkvError
+from ragkv.kernels import paged_attention, store_kv
+
+ATTN_IMPLEMENTATION = "ragkv_paged"
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Per-step metadata shared by all layers of one forward pass (a flattened varlen batch)."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache), NHD
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
+    cu_seqlens_q: torch.Tensor | list[int]  # [num_seqs + 1]; host list on CPU
+    seq_lens: torch.Tensor | list[int]  # [num_seqs]; host list on CPU
+    max_seqlen_q: int
+    max_seqlen_k: int
+    backend: str = "auto"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    ragkv_step: StepContext | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered with transformers; shapes follow its interface.
+
+    ``query`` is ``[1, num_heads, num_tokens, head_dim]`` (post-RoPE), ``key``/``value``
+    ``[1, num_kv_heads, num_tokens, head_dim]``; returns ``[1, num_tokens, num_heads, head_dim]``.
+    """
+    if ragkv_step is None:
+        raise RagkvError(
+            "the ragkv_paged attention implementation needs step metadata; run the model "
+            "through ragkv.cache_engine.Engine instead of calling it directly"
+        )
+    k_cache, v_cache = ragkv_step.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    store_kv(
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        k_cache,
+        v_cache,
+        ragkv_step.slot_mapping,
+        backend=ragkv_step.backend,
+    )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        ragkv_step.block_table,
+        ragkv_step.cu_seqlens_q,
+        ragkv_step.seq_lens,
+        scale,
+        max_seqlen_q=ragkv_step.max_seqlen_q,
+        max_seqlen_k=ragkv_step.max_seqlen_k,
+        backend=ragkv_step.backend,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register the paged attention with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,616 @@
+"""The in-process engine: prompts in, exact generations out, every cached prefix block reused.
+
+One background thread steps the scheduler and the model; callers (sync, streaming or
+asyncio, from any number of threads) submit requests and receive events through a
+per-request sink. All validation happens in the caller's thread, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragkv.cache_engine.detokenizer import IncrementalDetokenizer
+from ragkv.cache_engine.kv_cache_manager import KVCacheManager
+from ragkv.cache_engine.model_runner import ModelInput, ModelRunner
+from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
+from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
+from ragkv.cache_engine.request import Request
+from ragkv.cache_engine.sampler import Sampler, make_generator
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulePolicy, Scheduler
+from ragkv.errors import (
+    ConfigError,
+    EngineClosedError,
+    InvalidInputError,
+    PromptTooLongError,
+    RagkvError,
+    RequestAbortedError,
+)
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+Sink = Callable[[StreamDelta | BaseException], None]
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class Engine:
+    """Paged-KV inference engine with automatic prefix caching. Build with :meth:`from_pretrained`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        identity: bytes,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "xxh3_128",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        schedule_policy: SchedulePolicy = "fcfs",
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.block_size = runner.block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.kv = KVCacheManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_caching=enable_prefix_caching,
+            algo=hash_algo,
+            extra_keys=[("model", identity)],
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            policy=schedule_policy,
+            max_model_len=max_model_len,
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(runner.model, tokenizer)
+        self._stats = EngineStats(num_blocks=runner.num_blocks)
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards scheduler + KV manager across threads
+        self._requests: dict[str, Request] = {}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        kv_cache_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        hash: str = "xxh3_128",
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        schedule_policy: SchedulePolicy = "fcfs",
+        backend: str = "auto",
+    ) -> Engine:
+        """Load a local Hugging Face checkpoint directory (``None``: the embedded default model).
+
+        The KV pool is allocated once: ``kv_cache_tokens`` tokens, or ``kv_cache_bytes``
+        bytes (default 1 GiB on CPU, 40 % of free memory on CUDA). ``dtype`` follows the
+        model: fp32 on CPU, bf16 (fp16 where unsupported) on CUDA unless given.
+        Unsupported architectures raise :class:`~ragkv.errors.UnsupportedModelError`.
+        """
+        from transformers import AutoTokenizer
+
+        if path is None:
+            from ragkv.cache_engine.default_model import default_model_path
+
+            path = default_model_path()
+        path = Path(path).expanduser()
+        config = read_config(path)
+        check_supported(config)
+        if block_size < 1 or block_size % 8:
+            raise ConfigError(f"block_size must be a positive multiple of 8, got {block_size}")
+        torch_device = _resolve_device(device)
+        torch_dtype = _resolve_dtype(dtype, torch_device)
+        if kv_cache_tokens is not None and kv_cache_tokens < block_size:
+            raise ConfigError(f"kv_cache_tokens must be at least block_size ({block_size})")
+        if kv_cache_tokens is None and kv_cache_bytes is None:
+            kv_cache_bytes = _default_kv_bytes(torch_device)
+        runner = ModelRunner(
+            path,
+            device=torch_device,
+            dtype=torch_dtype,
+            block_size=block_size,
+            num_blocks=None if kv_cache_tokens is None else kv_cache_tokens // block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            backend=backend,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        context = int(config.get("max_position_embeddings") or 2048)
+        if max_model_len is not None and max_model_len > context:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model context ({context} tokens)"
+            )
+        return cls(
+            runner,
+            tokenizer,
+            model_name=config.get("_name_or_path") or path.name,
+            identity=model_identity(path, config, str(torch_dtype)),
+            max_model_len=max_model_len or context,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_algo=hash,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            schedule_policy=schedule_policy,
+        )
+
+    # -- public API -------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        return_logits: bool = False,
+    ) -> Output | list[Output]:
+        """Generate for one prompt (returns an :class:`Output`) or many (a list, in order).
+
+        Prompts are token-id lists or strings (tokenized with the model's tokenizer).
+        """
+        single = _is_single_prompt(prompts)
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise InvalidInputError("generate() needs at least one prompt")
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(batch):
+                raise InvalidInputError(
+                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts"
+                )
+        events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
+        requests = [
+            self._make_request(p, sp, cache_salt, return_logits)
+            for p, sp in zip(batch, params_list, strict=True)
+        ]
+        for request in requests:
+            self._submit(request, events.put)
+        results: dict[str, Output] = {}
+        try:
+            while len(results) < len(requests):
+                event = events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event.output is not None:
+                    results[event.request_id] = event.output
+        except BaseException:
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        outputs = [results[r.request_id] for r in requests]
+        return outputs[0] if single else outputs
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Yield text deltas as tokens are generated; the last delta carries the ``output``."""
+        request = self._make_request(prompt, params or SamplingParams(), cache_salt, False)
+        events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
+        self._submit(request, events.put)
+        done = False
+        try:
+            while not done:
+                event = events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:
+                self.abort(request.request_id)
+
+    async def agenerate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Output:
+        """Asyncio form of :meth:`generate` for one prompt; cancellation aborts the request."""
+        async for delta in self.astream(prompt, params, cache_salt=cache_salt):
+            if delta.output is not None:
+                return delta.output
+        raise RagkvError("stream ended without a final output")  # pragma: no cover
+
+    async def astream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
+        request = self._make_request(prompt, params or SamplingParams(), cache_salt, False)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._submit(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        done = False
+        try:
+            while not done:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; its caller receives ``finish_reason="abort"``."""
+        self._inbox.put(("abort", request_id))
+
+    def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` are cached now (what a request would reuse)."""
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return 0
+        probe = Request(f"probe-{next(self._ids)}", list(token_ids), SamplingParams())
+        probe.cache_salt = cache_salt
+        with self._lock:
+            try:
+                return self.kv.get_computed_blocks(probe)[1]
+            finally:
+                self.kv.free(probe)  # drop the manager's per-request hasher state
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""
+        with self._lock:
+            cache = self.kv.stats()
+            snapshot = EngineStats(**{f: getattr(self._stats, f) for f in _STAT_FIELDS})
+        snapshot.evictions = cache.evictions
+        snapshot.num_free_blocks = cache.num_free_blocks
+        snapshot.preemptions = self.scheduler.num_preemptions
+        snapshot.extra = {"cache": cache}
+        return snapshot
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no running request holds; False if some are in use."""
+        with self._lock:
+            return self.kv.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("close", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- request intake (caller's thread) ------------------------------------------------
+    def _make_request(
+        self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, keep_logits: bool
+    ) -> Request:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new Engine")
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate(vocab_size=self.runner.vocab_size)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInputError("cache_salt must be a string or None")
+        token_ids = self._prompt_ids(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
+                "and at least one token must be generated. Shorten the prompt (e.g. "
+                "Assembler(max_prompt_tokens=...)) or use a model with a longer context"
+            )
+        request = Request(
+            f"req-{next(self._ids)}",
+            token_ids,
+            params,
+            cache_salt=cache_salt,
+            keep_logits=keep_logits,
+        )
+        self.scheduler.check_fits(request)
+        request.generator = make_generator(params)
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, token_ids, params, eos_token_ids=self.eos_token_ids
+        )
+        return request
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise InvalidInputError(
+                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        ids = list(prompt)
+        if not ids:
+            raise InvalidInputError("prompt is empty: pass at least one token id")
+        vocab = self.runner.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidInputError(
+                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}"
+                )
+        return ids
+
+    def _submit(self, request: Request, sink: Sink) -> None:
+        request.sink = sink
+        self._ensure_thread()
+        self._inbox.put(("add", request))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name="ragkv-engine", daemon=True
+                    )
+                    self._thread.start()
+
+    # -- the stepping thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            block = not self.scheduler.has_unfinished()
+            try:
+                while True:
+                    command, arg = self._inbox.get(block=block)
+                    block = False
+                    if command == "close":
+                        self._fail_all(EngineClosedError("the engine was closed"))
+                        return
+                    self._handle(command, arg)
+            except queue.Empty:
+                pass
+            if self.scheduler.has_unfinished():
+                try:
+                    self._step()
+                except Exception as exc:  # keep serving: fail only the requests in flight
+                    logger.exception("engine step failed")
+                    self._fail_all(exc)
+
+    def _handle(self, command: str, arg: Any) -> None:
+        with self._lock:
+            if command == "add":
+                self._requests[arg.request_id] = arg
+                self.scheduler.add(arg)
+            elif command == "abort":
+                request = self._requests.get(arg)
+                if request is not None:
+                    self.scheduler.finish(request, "abort")
+                    self._emit_final(request, request.detokenizer.flush(), [])
+
+    def _step(self) -> None:
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.chunks:
+                self._fail_unschedulable()
+                return
+            batch, sample_rows, logit_rows = self._build_input(scheduled.chunks)
+        logits = self.runner.execute(batch)
+        with self._lock:
+            self._stats.steps += 1
+            self._update(scheduled.chunks, logits, sample_rows, logit_rows)
+            self._stats.peak_used_blocks = max(
+                self._stats.peak_used_blocks, self.kv.pool.num_blocks - self.kv.num_free_blocks
+            )
+
+    def _build_input(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[ModelInput, list[int], list[range | None]]:
+        batch = ModelInput()
+        sample_rows: list[int] = []  # index into the logits rows, per sampling chunk
+        logit_rows: list[range | None] = []  # rows kept for return_logits, per chunk
+        now = time.perf_counter()
+        for chunk in chunks:
+            request = chunk.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._stats.prompt_tokens += request.num_prompt_tokens
+                self._stats.prefill_tokens_reused += request.num_cached_tokens or 0
+            first_row = batch.cu_seqlens_q[-1]
+            batch.input_ids.extend(request.token_ids[chunk.start : chunk.end])
+            batch.positions.extend(range(chunk.start, chunk.end))
+            batch.slot_mapping.extend(self.kv.slot_mapping(request, chunk.start, chunk.end))
+            batch.block_tables.append(self.kv.block_table(request))
+            batch.cu_seqlens_q.append(first_row + chunk.num_tokens)
+            batch.seq_lens.append(chunk.end)
+            if request.keep_logits:
+                start = len(batch.logits_rows)
+                batch.logits_rows.extend(range(first_row, first_row + chunk.num_tokens))
+                logit_rows.append(range(start, len(batch.logits_rows)))
+                if chunk.samples:
+                    sample_rows.append(len(batch.logits_rows) - 1)
+            else:
+                logit_rows.append(None)
+                if chunk.samples:
+                    batch.logits_rows.append(first_row + chunk.num_tokens - 1)
+                    sample_rows.append(len(batch.logits_rows) - 1)
+            if chunk.num_tokens == 1 and chunk.start >= request.num_prompt_tokens:
+                self._stats.decode_tokens += 1
+            else:
+                self._stats.prefill_tokens_computed += chunk.num_tokens
+        return batch, sample_rows, logit_rows
+
+    def _update(
+        self,
+        chunks: list[ScheduledChunk],
+        logits: torch.Tensor,
+        sample_rows: list[int],
+        logit_rows: list[range | None],
+    ) -> None:
+        sampling = [c for c in chunks if c.samples]
+        sampled = None
+        if sampling:
+            sampled = self.sampler(
+                logits[sample_rows],
+                [c.request.params for c in sampling],
+                [c.request.generator for c in sampling],
+            )
+        for chunk, rows in zip(chunks, logit_rows, strict=True):
+            chunk.request.num_computed_tokens = chunk.end
+            if rows is not None:
+                chunk.request.logits.append(logits[rows.start : rows.stop].clone())
+        now = time.perf_counter()
+        for i, chunk in enumerate(sampling):
+            request = chunk.request
+            token = sampled.token_ids[i]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.token_ids.append(token)
+            if request.params.logprobs is not None:
+                request.logprobs.append(sampled.logprobs[i])
+            self._advance(request, token)
+
+    def _advance(self, request: Request, token: int) -> None:
+        detok = request.detokenizer
+        delta = detok.add(token)  # decides EOS, stop ids, stop strings and max_tokens
+        if detok.finished:
+            self._finish(request, detok.finish_reason, delta, [token])
+        elif request.num_tokens >= self.max_model_len:
+            self._finish(request, "length", delta + detok.flush(), [token])
+        else:
+            request.sink(StreamDelta(request.request_id, delta, [token]))
+
+    def _finish(self, request: Request, reason: str, delta: str, tokens: list[int]) -> None:
+        self.scheduler.finish(request, reason)
+        self._emit_final(request, delta, tokens)
+
+    def _emit_final(self, request: Request, delta: str, tokens: list[int]) -> None:
+        self._requests.pop(request.request_id, None)
+        request.finish_time = time.perf_counter()
+        self._stats.requests_finished += 1
+        arrival = request.arrival_time
+        first_token = request.first_token_time or request.finish_time
+        output = Output(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=request.detokenizer.text,
+            finish_reason=request.finish_reason or "abort",
+            usage=Usage(
+                prompt_tokens=request.num_prompt_tokens,
+                completion_tokens=request.num_output_tokens,
+                cached_tokens=request.num_cached_tokens or 0,
+            ),
+            timings=Timings(
+                queue_s=(request.first_scheduled_time or request.finish_time) - arrival,
+                ttft_s=first_token - arrival,
+                total_s=request.finish_time - arrival,
+            ),
+            logprobs=request.logprobs if request.params.logprobs is not None else None,
+            num_preemptions=request.num_preemptions,
+            logits=torch.cat(request.logits) if request.logits else None,
+        )
+        request.sink(StreamDelta(request.request_id, delta, tokens, output.finish_reason, output))
+
+    def _fail_unschedulable(self) -> None:
+        # Only reachable if the head request cannot fit even with the pool to itself,
+        # which check_fits rules out; fail loudly rather than spin.
+        request = self.scheduler.waiting[0]
+        self.scheduler.finish(request, "abort")
+        self._requests.pop(request.request_id, None)
+        request.sink(RequestAbortedError(f"request {request.request_id} could not be scheduled"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            for request in list(self._requests.values()):
+                self.scheduler.finish(request, "abort")
+                request.sink(exc)
+            self._requests.clear()
+
+
+_STAT_FIELDS = (
+    "requests_finished",
+    "prompt_tokens",
+    "prefill_tokens_computed",
+    "prefill_tokens_reused",
+    "decode_tokens",
+    "steps",
+    "num_blocks",
+    "peak_used_blocks",
+)
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):
+        return True
+    return isinstance(prompts, Sequence) and not prompts
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' requested but CUDA is not available; use device='cpu'")
+    return resolved
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ConfigError(f"unknown dtype {dtype!r}; use 'float32', 'bfloat16' or 'float16'")
+        return resolved
+    return dtype
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.4)
+    return DEFAULT_CPU_KV_BYTES

@@ -1,0 +1,96 @@
+"""What the engine returns: outputs, usage, timings, stream deltas and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting in the OpenAI shape; ``cached_tokens`` is always present (0 included)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_openai(self) -> dict[str, Any]:
+        """``usage`` object of an OpenAI completion response."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds from arrival: waiting in the queue, to the first token, to the end."""
+
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(slots=True)
+class Output:
+    """The finished result of one request.
+
+    ``logits`` is only filled when the request asked for it (``return_logits=True``): one
+    row per position the engine computed, i.e. for positions
+    ``usage.cached_tokens .. len(prompt) + len(token_ids) - 2``, in order.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    logprobs: list[Any] | None = None
+    num_preemptions: int = 0
+    logits: Any = None
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """One streamed increment; the last one has ``finish_reason`` and the full ``output``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    output: Output | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (or since ``reset``); cheap to read."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_tokens_reused: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    steps: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    peak_used_blocks: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache."""
+        return self.prefill_tokens_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def pool_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0

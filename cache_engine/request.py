@@ -1,0 +1,72 @@
+"""One generation request as the scheduler and the KV cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.cache_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Prompt, generated tokens and progress of one request.
+
+    ``token_ids`` is prompt + generated tokens and only grows. ``num_computed_tokens`` counts
+    the leading tokens whose K/V are in the cache; a step computes the next slice, and the
+    request samples when that slice reaches the end of ``token_ids``. Preemption resets
+    ``num_computed_tokens`` to 0: the request is recomputed (mostly from cached blocks).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    keep_logits: bool = False
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # Engine-side companions, opaque to the scheduler.
+    generator: Any = None
+    detokenizer: Any = None
+    sink: Any = None
+    logprobs: list[Any] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

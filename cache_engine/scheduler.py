@@ -1,0 +1,189 @@
+"""Continuous batching over a paged KV pool: who runs in the next step, and how many tokens.
+
+Every step packs, under one token budget, (1) the next slice of every running request
+(one token when decoding, the rest of a chunked prefill otherwise) and then (2) new
+requests from the waiting queue, each starting after its longest cached prefix. When the
+pool cannot hold a running request's next slice, the youngest running request is
+preempted: its blocks are freed (they stay findable in the prefix cache) and it goes back
+to the front of the waiting queue to be recomputed. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ragkv.cache_engine.request import Request, RequestStatus
+from ragkv.errors import CacheCapacityError, ConfigError, PromptTooLongError
+
+logger = logging.getLogger(__name__)
+
+SchedulePolicy = Literal["fcfs", "longest-prefix"]
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this slice reaches the end of the request: the step samples a token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`~ragkv.cache_engine.KVCacheManager`."""
+
+    def __init__(
+        self,
+        kv_manager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        enable_prefix_caching: bool = True,
+        policy: SchedulePolicy = "fcfs",
+        max_model_len: int | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if policy not in ("fcfs", "longest-prefix"):
+            raise ConfigError(f"unknown schedule policy {policy!r}; use 'fcfs' or 'longest-prefix'")
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+    def blocks_needed(self, request: Request) -> int:
+        """Blocks the request holds at its longest (prompt + max_tokens)."""
+        total = request.num_prompt_tokens + request.params.max_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        return -(-total // self.kv.block_size)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise if the request could never fit the whole pool, even running alone."""
+        prompt_blocks = -(-request.num_prompt_tokens // self.kv.block_size)
+        if prompt_blocks > self.kv.pool.num_blocks:
+            raise PromptTooLongError(
+                f"prompt of {request.num_prompt_tokens} tokens needs {prompt_blocks} KV blocks "
+                f"but the whole pool has {self.kv.pool.num_blocks} (block size "
+                f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens"
+            )
+        needed = self.blocks_needed(request)
+        if needed > self.kv.pool.num_blocks:
+            raise CacheCapacityError(
+                f"request {request.request_id} needs {needed} KV blocks "
+                f"({request.num_prompt_tokens} prompt tokens + max_tokens "
+                f"{request.params.max_tokens}, block size {self.kv.block_size}) but the whole "
+                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request; one that could never fit the whole pool is refused now."""
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished and release its blocks (they stay cached until reused)."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        self.kv.free(request)
+
+    # -- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                # Requests before i are already scheduled this step; the victim is always
+                # the youngest, at the end of the list, so it is never one of them.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.policy == "longest-prefix" and len(self.waiting) > 1:
+            self._order_by_cached_prefix()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            blocks, num_computed = [], 0
+            if self.enable_prefix_caching:
+                blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.kv.allocate_slots(request, num_new, blocks) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_computed, num_new))
+            budget -= num_new
+
+    def _order_by_cached_prefix(self) -> None:
+        def cached(request: Request) -> int:
+            return self.kv.get_computed_blocks(request)[1] if self.enable_prefix_caching else 0
+
+        ranked = sorted(self.waiting, key=lambda r: (-cached(r), r.arrival_time))
+        self.waiting = deque(ranked)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)

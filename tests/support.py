@@ -1,0 +1,102 @@
+"""Shared test helpers: tiny random-weight checkpoints and a locally trained tokenizer.
+
+Nothing here downloads anything: configs are written in code, weights are random with a
+fixed seed, and the tokenizer is a byte-level BPE trained on CPython's own docs.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 512
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def training_text() -> list[str]:
+    """A few hundred KB of real English text that ships with CPython."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)][:120]
+
+
+@cache
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_text(), trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer():
+    """A byte-level BPE fast tokenizer (vocab 512) with a ChatML chat template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=_CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(family: str, **overrides):
+    """A 2-layer config of the given family with GQA (4 heads, 2 KV heads, head_dim 16)."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if family == "mistral":
+        common["sliding_window"] = None
+    common.update(overrides)
+    return AutoConfig.for_model(family, **common)
+
+
+def save_tiny_checkpoint(
+    directory: Path, family: str = "llama", seed: int = 0, **overrides
+) -> Path:
+    """Write a random-weight checkpoint (config, safetensors, tokenizer) into ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    # Random init gives near-uniform logits; scale the output layer so greedy decoding
+    # has clear winners and exactness tests are not decided by float noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
