@@ -154,38 +154,49 @@ def _decode_gathered(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One padded SDPA call for decode sequences whose blocks must be gathered."""
+    """One padded SDPA call for decode sequences whose blocks must be gathered.
+
+    Unwritten cache memory may hold NaN, which a mask cannot cancel (NaN * 0 = NaN): the
+    table's padding is pointed at each sequence's own first block, and gathered slots past
+    each sequence's length are zeroed before the masked SDPA.
+    """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
+    num_heads, batch = q.shape[1], len(seqs)
     max_blocks = max(n_blocks[i] for i in seqs)
     idx = torch.tensor(seqs, device=q.device)
-    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
     table = block_table[idx, :max_blocks].long()
-    k = k_cache[table].view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[table].view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
-    seq_lens = torch.tensor([lens[i] for i in seqs], device=q.device)
+    needed = torch.tensor([n_blocks[i] for i in seqs], device=q.device)
+    columns = torch.arange(max_blocks, device=q.device)
+    table = torch.where(columns < needed[:, None], table, table[:, :1])
+    k = k_cache[table].view(batch, -1, num_kv_heads, head_dim)
+    v = v_cache[table].view(batch, -1, num_kv_heads, head_dim)
     mask = None
-    if bool((seq_lens != max_blocks * block_size).any()):
+    if any(lens[i] != max_blocks * block_size for i in seqs):
+        for row, i in enumerate(seqs):
+            k[row, lens[i] :] = 0
+            v[row, lens[i] :] = 0
+        seq_lens = torch.tensor([lens[i] for i in seqs], device=q.device)
         positions = torch.arange(max_blocks * block_size, device=q.device)
-        mask = (positions < seq_lens[:, None]).view(len(seqs), 1, 1, -1)
-    qg = q[rows].view(len(seqs), num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    out[rows] = o.view(len(seqs), num_heads, head_dim)
+        mask = (positions < seq_lens[:, None]).view(batch, 1, 1, -1)
+    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
+    qg = q[rows].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    out[rows] = o.view(batch, num_heads, head_dim)
 
 
 def _consecutive_runs(
     block_table: torch.Tensor, n_blocks: list[int]
 ) -> tuple[list[int], list[bool]]:
     """Per sequence: its first block id and whether its ``n_blocks`` ids are consecutive."""
+    first = block_table[:, 0].tolist() if block_table.shape[1] else [0] * len(n_blocks)
     if block_table.shape[1] <= 1:
-        return block_table[:, 0].tolist() if block_table.shape[1] else [0] * len(n_blocks), [
-            True
-        ] * len(n_blocks)
-    steps = block_table[:, 1:] - block_table[:, :-1] != 1
-    breaks = torch.cat([steps, torch.ones_like(steps[:, :1])], dim=1)
+        return first, [True] * len(n_blocks)
+    breaks = block_table[:, 1:] - block_table[:, :-1] != 1
+    breaks = torch.cat([breaks, torch.ones_like(breaks[:, :1])], dim=1)
     run_len = (breaks.to(torch.uint8).argmax(dim=1) + 1).tolist()
-    first = block_table[:, 0].tolist()
-    return first, [run_len[i] >= n for i, n in enumerate(n_blocks)]
+    return first, [run >= n for run, n in zip(run_len, n_blocks, strict=True)]
 
 
 def _to_list(x: IntSeq) -> list[int]:
