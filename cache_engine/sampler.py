@@ -39,7 +39,8 @@ def make_generator(
     """The per-request generator for ``params``: seeded when ``params.seed`` is set.
 
     Returns None for greedy requests (they draw nothing) and for unseeded ones (they draw from
-    torch's global generator).
+    torch's global generator). A CPU generator serves logits on any device: a row draws a
+    single number from it.
     """
     if params.greedy or params.seed is None:
         return None
@@ -67,16 +68,15 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[num_seqs, vocab]`` (any float dtype)."""
         _check_batch(logits, params, generators)
         logits = logits.float()
-        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
-        if len(greedy) == len(params):
+        if not random:
             token_ids = logits.argmax(dim=-1)
-        elif greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        if random:
-            rows = [params[i] for i in random]
-            probs = _filtered_probs(logits[random], rows)
+        else:
+            token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+            greedy = [i for i, p in enumerate(params) if p.greedy]
+            if greedy:
+                token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            probs = _filtered_probs(logits[random], [params[i] for i in random])
             token_ids[random] = _inverse_cdf(probs, [generators[i] for i in random])
         ids = token_ids.tolist()
         return SamplerOutput(token_ids=ids, logprobs=_logprobs(logits, params, ids))
@@ -123,10 +123,11 @@ def _top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     cut anyway.
     """
     device, vocab = probs.device, probs.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = torch.tensor(ks, device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     row_mass = probs.sum(dim=-1)
-    c = min(vocab, max(64, max(int(k) for k in top_k if k < vocab) if (top_k < vocab).any() else 0))
+    c = min(vocab, max([64, *(k for k in ks if k < vocab)]))
     while True:
         vals, ids = probs.topk(c, dim=-1)  # sorted, best first
         vals.masked_fill_(torch.arange(c, device=device) >= top_k.unsqueeze(1), 0.0)
