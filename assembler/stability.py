@@ -6,9 +6,9 @@ window of ``window`` requests, and *demoted* only once it has gone unseen for
 the hysteresis: a hot chunk that skips a few requests keeps its place, so its position in
 the canonical order does not flap from request to request.
 
-Each promotion takes the next rank; the canonical order sorts stable chunks by rank. Ranks
-never change while a chunk stays stable, so the prefix the engine cached for them stays
-valid. State is bounded by ``max_tracked`` keys (least recently seen evicted first).
+A promotion's rank is the number of the request that promoted it; the canonical order sorts
+stable chunks by rank, then content hash. Ranks never change while a chunk stays stable,
+so the prefix the engine cached for them stays valid. State is bounded by ``max_tracked`` keys (least recently seen evicted first).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class StabilityTracker:
         self.demote_after = demote_after
         self.max_tracked = max_tracked
         self.request = 0
-        self._next_rank = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently seen first
 
     def observe(self, keys: Iterable[bytes]) -> int:
@@ -74,8 +73,7 @@ class StabilityTracker:
                 and len(sightings) == self.promote_after
                 and now - sightings[0] < self.window
             ):
-                entry.rank = self._next_rank
-                self._next_rank += 1
+                entry.rank = now  # chunks promoted by the same request tie (then: by hash)
         while len(entries) > self.max_tracked:
             entries.popitem(last=False)
         return now
