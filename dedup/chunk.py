@@ -32,9 +32,10 @@ class Chunk:
     source_id: str | None = None
     score: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Caches, valid while ``content`` is the very object they were computed from.
+    # Caches, each valid while ``content`` is the very object it was computed from.
     _src: object = field(default=None, init=False, repr=False, compare=False)
     _data: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _digest_src: object = field(default=None, init=False, repr=False, compare=False)
     _digest_algo: str | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
@@ -68,7 +69,8 @@ class Chunk:
         if type(content) is bytes:
             return content
         if self._src is not content:
-            self._refresh(content)
+            self._data = encode_text(content)
+            self._src = content
         return self._data
 
     @property
@@ -82,17 +84,11 @@ class Chunk:
     def digest(self, algo: str = "blake3") -> bytes:
         """Content hash of :attr:`data` under ``algo``, cached on the chunk."""
         content = self.content
-        if self._src is not content:
-            self._refresh(content)
-        if self._digest_algo != algo:
-            self._digest = hasher(algo)(self._data)
+        if self._digest_src is not content or self._digest_algo != algo:
+            self._digest = hasher(algo)(self.data)
             self._digest_algo = algo
+            self._digest_src = content
         return self._digest
-
-    def _refresh(self, content: str | bytes) -> None:
-        self._src = content
-        self._data = encode_text(content) if isinstance(content, str) else content
-        self._digest_algo = None
 
     @classmethod
     def coerce(cls, obj: object) -> Chunk:
@@ -127,22 +123,22 @@ def make_chunk(
     source_id: str | None,
     score: float | None,
     metadata: dict[str, Any],
-    data: bytes,
     digest_algo: str | None = None,
     digest: bytes = b"",
 ) -> Chunk:
     """Build a Chunk from parts that are already valid (dedup's hot path skips ``__post_init__``).
 
-    ``data`` must be the bytes of ``content``; ``digest`` (if given) its hash under
-    ``digest_algo``, so a later :meth:`Chunk.digest` / registry lookup costs nothing.
+    ``digest`` (if given) is the hash of the content's bytes under ``digest_algo``, so a
+    later :meth:`Chunk.digest` / registry lookup costs nothing.
     """
     chunk = object.__new__(Chunk)
     chunk.content = content
     chunk.source_id = source_id
     chunk.score = score
     chunk.metadata = metadata
-    chunk._src = content
-    chunk._data = data
+    chunk._src = None
+    chunk._data = b""
+    chunk._digest_src = content if digest_algo is not None else None
     chunk._digest_algo = digest_algo
     chunk._digest = digest
     return chunk

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from ragkv.dedup.chunk import Chunk, encode_text, make_chunk
+from ragkv.dedup.gc_pause import paused_gc
 from ragkv.dedup.hashing import hasher
 from ragkv.dedup.merge import DUPLICATES, SOURCES, set_merged
 from ragkv.dedup.normalize import normalizer
@@ -65,9 +69,17 @@ class Deduplicator:
         """
         items = _as_list(chunks)
         stats = DedupStats(chunks_in=len(items))
-        survivor_of, kept, datas, digests, extras, dups = self._collapse(items, stats)
-        algo = self.hash if self._canonical is None else None
-        survivors = _survivors(items, survivor_of, kept, datas, digests, dups, algo)
+        with paused_gc():
+            return self._dedupe(items, stats)
+
+    def _dedupe(self, items: list[Any], stats: DedupStats) -> DedupResult:
+        survivor_of, kept, keys, rich = self._collapse(items, stats)
+        extras = [None] * len(keys) if self._extra is None else [k[1] for k in keys]
+        if self._canonical is not None:
+            keys = None  # canonical digests are not the chunks' content hashes
+        elif self._extra is not None:
+            keys = [k[0] for k in keys]
+        survivors = _survivors(items, survivor_of, kept, keys, self.hash, rich)
         if (self.drop_contained or self.merge_overlaps) and len(survivors) > 1:
             folder = SpanFolder(survivors, kept, extras, stats)
             if self.drop_contained:
@@ -77,22 +89,56 @@ class Deduplicator:
                 if self.drop_contained:
                     folder.drop_contained()  # ... or contain one that straddles its seam
             survivors, kept, survivor_of = folder.finish(survivor_of)
+            stats.bytes_out = sum(len(c.data) for c in survivors)
         stats.chunks_out = len(survivors)
-        stats.bytes_out = sum(len(c.data) for c in survivors)
         return DedupResult(survivors, survivor_of, kept, stats)
 
     def _collapse(self, items: list[Any], stats: DedupStats) -> tuple[Any, ...]:
-        # The hot loop: one hash and one dict probe per chunk; Chunk objects for survivors
-        # are built afterwards, and only for survivors.
+        if self._canonical is None and self._extra is None and items:
+            kinds = set(map(type, items))
+            if kinds == {str} or kinds == {bytes}:
+                try:
+                    return self._collapse_uniform(items, stats, kinds.pop() is str)
+                except UnicodeEncodeError:
+                    pass  # lone surrogates: the general loop encodes them with surrogatepass
+        return self._collapse_general(items, stats)
+
+    def _collapse_uniform(self, items: list[Any], stats: DedupStats, text: bool) -> tuple[Any, ...]:
+        # All-str or all-bytes input, content key: the per-chunk work is C-level map/dict
+        # calls (one dict probe per chunk), so the pass costs little more than the hashing.
+        digest = self._digest
+        index: dict[bytes, int] = {}
+        datas = map(str.encode, items) if text else items
+        first_of = list(map(index.setdefault, map(digest, datas), itertools.count()))
+        index.pop(digest(b""), None)  # empty chunks are dropped: they map to None
+        kept = list(index.values())
+        rank: list[int | None] = [None] * len(items)
+        for _ in map(rank.__setitem__, kept, range(len(kept))):
+            pass
+        survivor_of = list(map(rank.__getitem__, first_of))
+        survivors = list(map(items.__getitem__, kept))
+        if not text or all(map(str.isascii, survivors)):  # isascii is O(1): len == bytes
+            sizes = list(map(len, survivors))
+        else:
+            sizes = list(map(len, map(str.encode, survivors)))
+        counts = Counter(survivor_of)
+        stats.empty_dropped = counts[None]
+        stats.duplicates_dropped = len(items) - counts[None] - len(kept)
+        stats.bytes_out = sum(sizes)
+        stats.bytes_in = sum(map(operator.mul, sizes, map(counts.__getitem__, range(len(kept)))))
+        return survivor_of, kept, list(index), False
+
+    def _collapse_general(self, items: list[Any], stats: DedupStats) -> tuple[Any, ...]:
+        # The hot loop: one hash and one dict probe per chunk, nothing else kept alive per
+        # chunk (holding every encoded chunk costs more than hashing it). The dict's keys,
+        # in insertion order, are the survivors' keys.
         digest, canonical, extra = self._digest, self._canonical, self._extra
         index: dict[Hashable, int] = {}
         survivor_of: list[int | None] = []
+        point = survivor_of.append
         kept: list[int] = []
-        datas: list[bytes] = []
-        digests: list[bytes] = []
-        extras: list[Hashable] = []
-        dups: list[int] = []
-        bytes_in = empty = 0
+        bytes_in = bytes_out = empty = 0
+        rich = False  # any Chunk input: metadata must be merged, not just counted
         for pos, obj in enumerate(items):
             kind = type(obj)
             if kind is str:
@@ -106,27 +152,27 @@ class Deduplicator:
                 if kind is not Chunk:
                     obj = items[pos] = Chunk.coerce(obj)
                 data = obj.data
+                rich = True
             if not data:
                 empty += 1
-                survivor_of.append(None)
+                point(None)
                 continue
-            bytes_in += len(data)
-            h = digest(data if canonical is None else canonical(data))
-            k = h if extra is None else _extra_key(h, extra, obj, items, pos)
+            size = len(data)
+            bytes_in += size
+            k = digest(data if canonical is None else canonical(data))
+            if extra is not None:
+                k = _extra_key(k, extra, obj, items, pos)
             s = index.get(k)
             if s is None:
                 s = index[k] = len(kept)
                 kept.append(pos)
-                datas.append(data)
-                digests.append(h)
-                extras.append(None if extra is None else k[1])
-            else:
-                dups.append(pos)
-            survivor_of.append(s)
+                bytes_out += size
+            point(s)
         stats.bytes_in = bytes_in
+        stats.bytes_out = bytes_out
         stats.empty_dropped = empty
-        stats.duplicates_dropped = len(dups)
-        return survivor_of, kept, datas, digests, extras, dups
+        stats.duplicates_dropped = len(items) - empty - len(kept)
+        return survivor_of, kept, list(index), rich
 
 
 def _as_list(chunks: Iterable[Any]) -> list[Any]:
@@ -178,26 +224,30 @@ def _survivors(
     items: list[Any],
     survivor_of: list[int | None],
     kept: list[int],
-    datas: list[bytes],
-    digests: list[bytes],
-    dups: list[int],
-    algo: str | None,
+    digests: list[bytes] | None,
+    algo: str,
+    rich: bool,
 ) -> list[Chunk]:
+    if digests is None:
+        digests = [b""] * len(kept)
+        algo = None  # type: ignore[assignment]
+    counts = Counter(survivor_of)
+    if not rich:  # plain str/bytes only: the merged metadata is just a count
+        return [
+            make_chunk(items[pos], None, None, {SOURCES: [], DUPLICATES: counts[s] - 1}, algo, h)
+            for s, (pos, h) in enumerate(zip(kept, digests, strict=True))
+        ]
     members: dict[int, list[Any]] = {}
-    for pos in dups:
-        members.setdefault(survivor_of[pos], []).append(items[pos])  # type: ignore[arg-type]
+    for pos, s in enumerate(survivor_of):
+        if s is not None and kept[s] != pos:
+            members.setdefault(s, []).append(items[pos])
     out: list[Chunk] = []
     for s, pos in enumerate(kept):
         first = items[pos]
-        digest = digests[s] if algo is not None else b""
-        others = members.get(s)
-        if others is None and type(first) is not Chunk:  # plain str/bytes: nothing to merge
-            meta = {SOURCES: [], DUPLICATES: 0}
-            out.append(make_chunk(first, None, None, meta, datas[s], algo, digest))
-            continue
-        base = first if type(first) is Chunk else Chunk.coerce(first)
-        chunk = make_chunk(base.content, base.source_id, base.score, {}, datas[s], algo, digest)
-        chunk.metadata = dict(base.metadata)
-        set_merged(chunk, [base, *(others or ())])
+        base = first if isinstance(first, Chunk) else Chunk(first)
+        chunk = make_chunk(
+            base.content, base.source_id, base.score, dict(base.metadata), algo, digests[s]
+        )
+        set_merged(chunk, [base, *members.get(s, ())])
         out.append(chunk)
     return out

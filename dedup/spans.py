@@ -85,7 +85,6 @@ class SpanFolder:
             first.source_id,
             first.score,
             dict(first.metadata),
-            data,
         )
         set_merged(merged, pieces)
         home = min(idx, key=self.kept.__getitem__)
