@@ -486,6 +486,8 @@ class Engine:
         for chunk, rows in zip(chunks, logit_rows, strict=True):
             chunk.request.num_computed_tokens = chunk.end
             if rows is not None:
+                if not chunk.request.logits:
+                    chunk.request.logits_start = chunk.start
                 chunk.request.logits.append(logits[rows.start : rows.stop].clone())
         now = time.perf_counter()
         for i, chunk in enumerate(sampling):
@@ -537,6 +539,7 @@ class Engine:
             logprobs=request.logprobs if request.params.logprobs is not None else None,
             num_preemptions=request.num_preemptions,
             logits=torch.cat(request.logits) if request.logits else None,
+            logits_start=request.logits_start,
         )
         request.sink(StreamDelta(request.request_id, delta, tokens, output.finish_reason, output))
 

@@ -42,8 +42,9 @@ class Output:
     """The finished result of one request.
 
     ``logits`` is only filled when the request asked for it (``return_logits=True``): one
-    row per position the engine computed, i.e. for positions
-    ``usage.cached_tokens .. len(prompt) + len(token_ids) - 2``, in order.
+    fp32 row per position the engine computed, for positions
+    ``logits_start .. len(prompt) + len(token_ids) - 2`` in order. ``logits_start`` is
+    ``usage.cached_tokens`` unless the request was preempted and recomputed.
     """
 
     request_id: str
@@ -56,6 +57,7 @@ class Output:
     logprobs: list[Any] | None = None
     num_preemptions: int = 0
     logits: Any = None
+    logits_start: int = 0
 
 
 @dataclass(slots=True)

@@ -48,7 +48,8 @@ class Request:
     detokenizer: Any = None
     sink: Any = None
     logprobs: list[Any] = field(default_factory=list)
-    logits: list[Any] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)  # rows kept for return_logits
+    logits_start: int = 0  # position of the first kept row
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

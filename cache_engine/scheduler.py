@@ -183,6 +183,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.logits.clear()  # recomputed rows replace them
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
