@@ -231,10 +231,11 @@ def _survivors(
     if digests is None:
         digests = [b""] * len(kept)
         algo = None  # type: ignore[assignment]
-    counts = Counter(survivor_of)
     if not rich:  # plain str/bytes only: the merged metadata is just a count
+        # A dict of a tuple and ints is not GC-tracked, which keeps 100k survivors cheap.
+        counts = Counter(survivor_of)
         return [
-            make_chunk(items[pos], None, None, {SOURCES: [], DUPLICATES: counts[s] - 1}, algo, h)
+            make_chunk(items[pos], None, None, {SOURCES: (), DUPLICATES: counts[s] - 1}, algo, h)
             for s, (pos, h) in enumerate(zip(kept, digests, strict=True))
         ]
     members: dict[int, list[Any]] = {}

@@ -28,15 +28,15 @@ def set_merged(target: Chunk, members: list[Any]) -> None:
         if member.score is not None and (score is None or member.score > score):
             score = member.score
     target.score = score
-    target.metadata[SOURCES] = list(sources)
+    target.metadata[SOURCES] = tuple(sources)
     target.metadata[DUPLICATES] = absorbed
 
 
-def _meta_list(meta: dict[str, Any], name: str) -> list[str]:
+def _meta_list(meta: dict[str, Any], name: str) -> tuple[str, ...]:
     value = meta.get(name, ())
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-        raise InvalidInputError(f"metadata[{name!r}] must be a list of str, got {value!r}")
-    return value  # type: ignore[return-value]
+        raise InvalidInputError(f"metadata[{name!r}] must be a tuple/list of str, got {value!r}")
+    return tuple(value)
 
 
 def _meta_int(meta: dict[str, Any], name: str) -> int:

@@ -37,7 +37,7 @@ class DedupResult:
     ``survivor_of[i]`` is the index in ``chunks`` that input ``i`` collapsed into (itself
     included), or None for a dropped empty chunk. ``kept[j]`` is the input position that
     ``chunks[j]`` comes from (its first occurrence). Each survivor's metadata carries
-    ``ragkv_sources`` (every distinct source id folded into it) and ``ragkv_duplicates``
+    ``ragkv_sources`` (tuple of every distinct source id folded into it) and ``ragkv_duplicates``
     (how many other input chunks it absorbed).
     """
 
