@@ -1,0 +1,105 @@
+"""Chained block hashes: the documented formula, incremental = one-shot, domain separation."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from blake3 import blake3
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragkv.cache_engine import BlockHasher, block_hashes
+from ragkv.cache_engine import block_hash as bh
+from ragkv.errors import ConfigError, InvalidInputError
+
+
+def reference_hashes(tokens, block_size, extra=b"", salt_extra=b"", digest=xxhash.xxh3_128_digest):
+    parent = digest(b"ragkv/block_hash/root/v1")
+    out = []
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        data = struct.pack(f"<{block_size}i", *block)
+        parent = digest(parent + data + extra + (salt_extra if i == 0 else b""))
+        out.append(parent)
+    return out
+
+
+def tagged(kind: bytes, value: bytes) -> bytes:
+    return struct.pack("<H", len(kind)) + kind + struct.pack("<I", len(value)) + value
+
+
+def test_block_hashes_follow_the_documented_chained_formula():
+    tokens = list(range(1000, 1037))
+    got = block_hashes(tokens, 8, extra=[("model", b"m1")], salt="s")
+    want = reference_hashes(tokens, 8, tagged(b"model", b"m1"), tagged(b"salt", b"s"))
+    assert got == want
+    assert len(got) == 4  # the partial tail is not hashed
+
+
+def test_blake3_is_opt_in_and_follows_the_same_formula():
+    tokens = list(range(40))
+    got = block_hashes(tokens, 16, algo="blake3")
+    assert got == reference_hashes(tokens, 16, digest=lambda d: blake3(d).digest())
+    assert got != block_hashes(tokens, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=80),
+    cuts=st.lists(st.integers(0, 80), max_size=6),
+    salt=st.one_of(st.none(), st.text(max_size=3)),
+)
+def test_incremental_extend_equals_one_shot(tokens, cuts, salt):
+    hasher = BlockHasher(4, extra=[("model", b"x")], salt=salt)
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        hasher.extend(tokens[a:b])
+    assert hasher.hashes == block_hashes(tokens, 4, extra=[("model", b"x")], salt=salt)
+    assert hasher.num_tokens == len(tokens)
+    want = [xxhash.xxh3_128_digest(hasher.hash_input(i)) for i in range(len(hasher.hashes))]
+    assert hasher.hashes == want
+    assert list(hasher.hash_inputs(len(hasher.hashes))) == [
+        hasher.hash_input(i) for i in range(len(hasher.hashes))
+    ]
+
+
+def test_plain_loop_fallback_matches_the_c_iterator_chain():
+    blocks = [bytes([i]) * 16 for i in range(20)]
+    _, many = bh.resolve_algo("xxh3_128")
+    fast = bh._chained_digests(b"r" * 16, blocks, b"e", many)
+    assert fast == bh._chained_digests_loop(b"r" * 16, blocks, b"e", many)
+    assert len(set(fast)) == 20
+
+
+def test_salt_changes_every_block_and_extra_kinds_are_separated():
+    tokens = list(range(16))
+    plain = block_hashes(tokens, 4)
+    salted = block_hashes(tokens, 4, salt="a")
+    assert all(p != s for p, s in zip(plain, salted, strict=True))
+    assert block_hashes(tokens, 4, salt="a") == salted
+    # Same concatenated bytes, different (kind, value) split: different hashes.
+    assert block_hashes(tokens, 4, extra=[("model", b"ab")]) != block_hashes(
+        tokens, 4, extra=[("modela", b"b")]
+    )
+    assert block_hashes(tokens, 4, extra=[("a", b""), ("b", b"")]) != block_hashes(
+        tokens, 4, extra=[("a", b"\x01\x00b\x00\x00\x00\x00")]
+    )
+
+
+def test_numpy_and_list_inputs_hash_the_same():
+    np = pytest.importorskip("numpy")
+    tokens = list(range(64))
+    assert block_hashes(np.array(tokens, dtype=np.int64), 16) == block_hashes(tokens, 16)
+
+
+def test_bad_inputs_raise_ragkv_errors():
+    with pytest.raises(InvalidInputError):
+        block_hashes([2**31] * 4, 4)
+    with pytest.raises(InvalidInputError):
+        block_hashes([1] * 4, 4, extra=[("salt", b"x")])
+    with pytest.raises(ConfigError):
+        block_hashes([1] * 4, 4, algo="md5")
+    with pytest.raises(ConfigError):
+        BlockHasher(0)
