@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
@@ -157,7 +157,7 @@ class Assembler:
         stats = AssemblyStats(order=self.order)
         statics = self._static_segments(system, few_shot, overrides)
         chunks = self._chunk_segments(raw_chunks, stats)
-        self.registry.observe([s.chunk for s in statics] + [s.chunk for s in chunks])
+        self.registry.observe([s.key for s in statics] + [s.key for s in chunks])
         head, tail = self._place_statics(statics, stats)
         self._tokenize(head, tail, chunks, stats)
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats)
@@ -184,7 +184,10 @@ class Assembler:
             DroppedChunk(s.chunk, s.rank, len(s.token_ids), s.stability)  # type: ignore[arg-type]
             for s in dropped
         ]
-        plan.stats.num_dropped = len(dropped)
+        stats.num_dropped = len(dropped)
+        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(request.chunks)
+        volatile = [s.start for s in plan.segments if s.stability is Stability.VOLATILE]
+        stats.stable_prefix_tokens = volatile[0] if volatile else len(plan.token_ids)
         if self.measure_seams:
             self._measure_seams(plan)
         return plan
@@ -360,8 +363,9 @@ class Assembler:
         request: _Request,
         frame: tuple[Piece, ...],
         chunks: list[Segment],
-        base: AssemblyStats,
+        stats: AssemblyStats,
     ) -> PromptPlan:
+        """Concatenate frame pieces, separators and segment token ids; record the spans."""
         ids: list[int] = []
         texts: list[str] = []
         spans: list[SegmentSpan] = []
@@ -374,7 +378,7 @@ class Assembler:
             start = len(ids)
             ids.extend(s.token_ids)
             texts.append(s.text)
-            demoted = s.slot in base.demoted
+            demoted = s.slot in stats.demoted
             spans.append(SegmentSpan(s.kind, s.stability, start, len(ids), s.key, s.rank, demoted))
 
         template = self.template
@@ -397,11 +401,6 @@ class Assembler:
         segment(request.question)
         piece(frame[-1])
 
-        stats = replace(base)
-        stats.num_tokens = len(ids)
-        stats.num_chunks = len(chunks)
-        volatile = [s.start for s in spans if s.stability is Stability.VOLATILE]
-        stats.stable_prefix_tokens = volatile[0] if volatile else len(ids)
         return PromptPlan(ids, spans, "".join(texts), stats)
 
     def _measure_seams(self, plan: PromptPlan) -> None:

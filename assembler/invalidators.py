@@ -47,8 +47,8 @@ class InvalidatorDetector:
             logger.warning(
                 "The %s segment is marked static but its bytes changed on each of the last %d "
                 "requests (a timestamp or request id?). It invalidates the prefix cache for "
-                "everything after it: move the changing part after the retrieved chunks and "
-                "the question, or keep demote_invalidators=True to let the assembler do it.",
+                "everything after it: move the changing part after the retrieved chunks, "
+                "or keep demote_invalidators=True to let the assembler do it.",
                 slot,
                 streak,
             )

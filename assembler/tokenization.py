@@ -4,6 +4,11 @@ Text is always encoded without special tokens (no BOS/EOS added): the chat templ
 there is one, supplies them. The fast Rust backend is used directly when present. Strings
 of the tokenizer's special tokens inside a text (``<|im_end|>`` in a retrieved chunk) are
 encoded as those special tokens, as Hugging Face does by default.
+
+Normalization: byte-level BPE decodes a text's token ids back to exactly that text, provided
+every byte's symbol is in the vocab. The shipped SmolLM2 vocab lacks 21 of the 256 (the
+control bytes 04 06 13 14 16 1D and the UTF-8 lead bytes C0 C1 F1 F2 F5-FF): such bytes
+are dropped, and characters U+40000-U+BFFFF decode as U+FFFD. Everything else round-trips.
 """
 
 from __future__ import annotations
