@@ -1,0 +1,227 @@
+"""``ragkv.Pipeline``: dedup → canonical assembly → prefix-cached generation, in one call.
+
+The pipeline is stateless per call apart from what its stages learn across requests (the
+shared :class:`~ragkv.dedup.ChunkRegistry`, the assembler's stability and prefix tree), so
+many threads or coroutines can share one pipeline and one engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ragkv.assembler import Assembler, PromptPlan
+from ragkv.cache_engine.outputs import Output, Usage
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
+
+ChunkLike = str | bytes | Chunk
+Turn = Mapping[str, str]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The prompt side of one request: what dedup kept and the assembled plan."""
+
+    dedup: DedupResult
+    plan: PromptPlan
+    dedup_s: float
+    assemble_s: float
+
+
+@dataclass(slots=True)
+class Answer:
+    """One answered question: text, usage (``cached_tokens`` included), plan and timings."""
+
+    text: str
+    usage: Usage
+    plan: PromptPlan
+    dedup: DedupStats
+    chunks: list[Chunk]
+    output: Output
+    timings: dict[str, float]
+
+    @property
+    def finish_reason(self) -> str:
+        return self.output.finish_reason
+
+
+@dataclass(slots=True)
+class AnswerDelta:
+    """A streamed text increment; the last one has ``finish_reason`` and the full ``answer``."""
+
+    text: str
+    finish_reason: str | None = None
+    answer: Answer | None = None
+
+
+class Pipeline:
+    """Dedup + assembler + engine. ``engine`` is an :class:`~ragkv.cache_engine.Engine` or any
+    object with the same ``tokenizer``, ``block_size`` and ``generate``/``stream``/
+    ``agenerate``/``astream`` surface (e.g. :class:`ragkv.integrations.openai.RemoteEngine`).
+
+    ``dedup=False`` skips the dedup stage (the assembler then sees duplicates as retrieved).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        deduplicator: Deduplicator | None = None,
+        assembler: Assembler | None = None,
+        *,
+        order: str = "stable-first",
+        registry: ChunkRegistry | None = None,
+        dedup: bool = True,
+        max_prompt_tokens: int | None = None,
+        default_params: SamplingParams | None = None,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry or (assembler.registry if assembler else ChunkRegistry())
+        self.deduplicator = deduplicator or Deduplicator()
+        self.assembler = assembler or Assembler(
+            engine.tokenizer, block_size=engine.block_size, order=order, registry=self.registry
+        )
+        self.dedup_enabled = dedup
+        self.max_prompt_tokens = max_prompt_tokens
+        self.default_params = default_params or SamplingParams(max_tokens=256)
+
+    def prepare(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        *,
+        system: str | None = None,
+        history: Sequence[Turn] | None = None,
+        cache_salt: str | None = None,
+    ) -> Prepared:
+        """Dedup and assemble without generating (what :meth:`answer` sends to the engine)."""
+        t0 = time.perf_counter()
+        chunk_list = list(chunks)
+        if self.dedup_enabled:
+            result = self.deduplicator.dedupe(chunk_list)
+        else:
+            result = _identity_result(chunk_list)
+        t1 = time.perf_counter()
+        residency = getattr(self.engine, "cached_prefix_length", None)
+        if residency is not None:
+            residency = functools.partial(residency, cache_salt=cache_salt)
+        plan = self.assembler.assemble(
+            system=system,
+            chunks=result.chunks,
+            question=question,
+            history=history,
+            max_prompt_tokens=self.max_prompt_tokens,
+            residency=residency,
+        )
+        return Prepared(result, plan, t1 - t0, time.perf_counter() - t1)
+
+    def answer(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        *,
+        system: str | None = None,
+        history: Sequence[Turn] | None = None,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Answer:
+        """Answer ``question`` from the retrieved ``chunks``."""
+        prepared = self.prepare(
+            question, chunks, system=system, history=history, cache_salt=cache_salt
+        )
+        output = self.engine.generate(
+            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+        )
+        return _answer(prepared, output)
+
+    def stream(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        *,
+        system: str | None = None,
+        history: Sequence[Turn] | None = None,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Iterator[AnswerDelta]:
+        """Like :meth:`answer`, yielding text as it is generated; the last delta has the answer."""
+        prepared = self.prepare(
+            question, chunks, system=system, history=history, cache_salt=cache_salt
+        )
+        for delta in self.engine.stream(
+            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+        ):
+            yield _answer_delta(prepared, delta)
+
+    async def aanswer(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        *,
+        system: str | None = None,
+        history: Sequence[Turn] | None = None,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Answer:
+        """Asyncio form of :meth:`answer`."""
+        prepared = self.prepare(
+            question, chunks, system=system, history=history, cache_salt=cache_salt
+        )
+        output = await self.engine.agenerate(
+            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+        )
+        return _answer(prepared, output)
+
+    async def astream(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        *,
+        system: str | None = None,
+        history: Sequence[Turn] | None = None,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[AnswerDelta]:
+        """Asyncio form of :meth:`stream`."""
+        prepared = self.prepare(
+            question, chunks, system=system, history=history, cache_salt=cache_salt
+        )
+        async for delta in self.engine.astream(
+            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+        ):
+            yield _answer_delta(prepared, delta)
+
+
+def _answer(prepared: Prepared, output: Output) -> Answer:
+    t = output.timings
+    return Answer(
+        text=output.text,
+        usage=output.usage,
+        plan=prepared.plan,
+        dedup=prepared.dedup.stats,
+        chunks=list(prepared.dedup.chunks),
+        output=output,
+        timings={
+            "dedup_s": prepared.dedup_s,
+            "assemble_s": prepared.assemble_s,
+            "queue_s": t.queue_s,
+            "ttft_s": t.ttft_s,
+            "total_s": t.total_s,
+        },
+    )
+
+
+def _answer_delta(prepared: Prepared, delta: Any) -> AnswerDelta:
+    answer = _answer(prepared, delta.output) if delta.output is not None else None
+    return AnswerDelta(delta.text, delta.finish_reason, answer)
+
+
+def _identity_result(chunks: list[ChunkLike]) -> DedupResult:
+    """A DedupResult that keeps every chunk as retrieved (dedup switched off)."""
+    kept = [Chunk.coerce(c) for c in chunks]
+    size = sum(len(c.data) for c in kept)
+    stats = DedupStats(len(kept), len(kept), size, size)
+    return DedupResult(kept, list(range(len(kept))), list(range(len(kept))), stats)

@@ -1,0 +1,85 @@
+"""ragkv.Pipeline: dedup, canonical assembly and the engine stack, end to end on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support import save_tiny_checkpoint, training_text
+
+import ragkv
+from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.dedup import Chunk
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+SYSTEM = "Answer the question from the context."
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=5)
+    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=8192) as eng:
+        yield eng
+
+
+@pytest.fixture
+def passages() -> list[str]:
+    text = training_text()
+    return [text[i][:600] for i in range(6)]
+
+
+def test_duplicates_are_removed_before_the_prompt_exists(engine, passages):
+    pipe = ragkv.Pipeline(engine)
+    retrieved = [passages[0], passages[1], passages[0], Chunk(passages[1], source_id="b")]
+    answer = pipe.answer("What is this about?", retrieved, system=SYSTEM, params=PARAMS)
+    assert answer.dedup.chunks_in == 4 and answer.dedup.chunks_out == 2
+    assert len(answer.plan.spans("chunk")) == 2
+    assert answer.usage.prompt_tokens == len(answer.plan.token_ids)
+    assert answer.output.prompt_token_ids == answer.plan.token_ids
+
+
+def test_same_chunks_in_another_retrieval_order_hit_the_cache(engine, passages):
+    pipe = ragkv.Pipeline(engine)
+    first = pipe.answer("First question?", passages[:4], system=SYSTEM, params=PARAMS)
+    second = pipe.answer("Second one?", passages[:4][::-1], system=SYSTEM, params=PARAMS)
+    shared = 0
+    for a, b in zip(first.plan.token_ids, second.plan.token_ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    assert shared > sum(s.end - s.start for s in second.plan.spans("chunk"))
+    assert second.usage.cached_tokens == shared // engine.block_size * engine.block_size
+
+
+def test_without_dedup_duplicates_reach_the_assembler(engine, passages):
+    pipe = ragkv.Pipeline(engine, dedup=False)
+    prepared = pipe.prepare("Q?", [passages[2], passages[2]], system=SYSTEM)
+    assert prepared.dedup.stats.chunks_out == 2
+
+
+def test_stream_and_async_give_the_same_answer(engine, passages):
+    pipe = ragkv.Pipeline(engine)
+    full = pipe.answer("Streaming?", passages[:2], system=SYSTEM, params=PARAMS)
+    deltas = list(pipe.stream("Streaming?", passages[:2], system=SYSTEM, params=PARAMS))
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].answer is not None
+    assert deltas[-1].answer.output.token_ids == full.output.token_ids
+
+    async def many():
+        return await asyncio.gather(
+            *(
+                pipe.aanswer("Streaming?", passages[:2], system=SYSTEM, params=PARAMS)
+                for _ in range(3)
+            )
+        )
+
+    answers = asyncio.run(many())
+    assert {tuple(a.output.token_ids) for a in answers} == {tuple(full.output.token_ids)}
+    assert all(a.usage.cached_tokens > 0 for a in answers)
+
+
+def test_cache_salt_isolates_tenants(engine, passages):
+    pipe = ragkv.Pipeline(engine)
+    pipe.answer("Q1?", passages[3:5], system=SYSTEM, params=PARAMS, cache_salt="tenant-1")
+    other = pipe.answer("Q1?", passages[3:5], system=SYSTEM, params=PARAMS, cache_salt="tenant-2")
+    assert other.usage.cached_tokens == 0
