@@ -138,7 +138,7 @@ class Deduplicator:
         point = survivor_of.append
         kept: list[int] = []
         bytes_in = bytes_out = empty = 0
-        rich = False  # any Chunk input: metadata must be merged, not just counted
+        rich = extra is not None  # Chunk objects exist: metadata must be merged, not counted
         for pos, obj in enumerate(items):
             kind = type(obj)
             if kind is str:
