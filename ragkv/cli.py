@@ -1,0 +1,58 @@
+"""The ``ragkv`` command: ``demo``, ``bench`` and ``serve``.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``, which
+registers the parser and sets ``func(args) -> int``. Modules import their heavy
+dependencies (torch, transformers, fastapi) inside ``func``, so ``ragkv --help`` stays fast. ``serve`` is the one place
+the core reaches into ``integrations/`` (lazily, at run time): the HTTP server needs the
+``server`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from ragkv._version import __version__
+from ragkv.errors import RagkvError
+
+SUBCOMMANDS = {
+    "demo": "ragkv.demo",
+    "bench": "ragkv.bench.cli",
+    "serve": "ragkv.integrations.server_cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ragkv",
+        description="Cheaper, faster RAG: dedup, canonical assembly and prefix-cached generation.",
+    )
+    parser.add_argument("--version", action="version", version=f"ragkv {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in SUBCOMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ragkv`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except RagkvError as exc:
+        print(f"ragkv {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
