@@ -8,17 +8,21 @@ encoded as those special tokens, as Hugging Face does by default.
 Normalization: byte-level BPE decodes a text's token ids back to exactly that text, provided
 every byte's symbol is in the vocab. The shipped SmolLM2 vocab lacks 21 of the 256 (the
 control bytes 04 06 13 14 16 1D and the UTF-8 lead bytes C0 C1 F1 F2 F5-FF): such bytes
-are dropped, and characters U+40000-U+BFFFF decode as U+FFFD. Everything else round-trips.
+are dropped, and characters U+40000-U+BFFFF decode as U+FFFD. Lone surrogates (which
+:class:`ragkv.dedup.Chunk` accepts) are encoded as U+FFFD. Everything else round-trips.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from ragkv.errors import InvalidInputError
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TextTokenizer:
@@ -36,6 +40,14 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no special tokens added."""
+        try:
+            return self._encode(text)
+        except (TypeError, UnicodeEncodeError):
+            if not _SURROGATE.search(text):
+                raise
+            return self._encode(_SURROGATE.sub("\ufffd", text))
+
+    def _encode(self, text: str) -> list[int]:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
