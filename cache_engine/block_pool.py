@@ -11,7 +11,7 @@ eviction). There is no reserved null block: every id in ``range(num_blocks)`` ho
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from operator import eq
 
 
@@ -44,23 +44,21 @@ class BlockPool:
         """How many of ``block_ids`` are unreferenced (touching them shrinks the free queue)."""
         return list(map(self.ref_counts.__getitem__, block_ids)).count(0)
 
-    def find_prefix(
-        self, hashes: Sequence[bytes], hash_inputs: Callable[[int], Iterable[bytes]]
-    ) -> list[int]:
+    def find_prefix(self, hashes: Sequence[bytes], inputs: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of ``hashes`` whose stored input matches.
 
-        ``hash_inputs(n)`` yields the request's hash inputs of its first ``n`` blocks. A key
-        found with different stored bytes is a hash collision: counted, and the prefix ends.
+        ``inputs[i]`` is the request's hash input of block ``i``. A key found with different
+        stored bytes is a hash collision: counted, and the prefix ends there.
         """
         if not self.enable_caching:
             return []
         hits = list(map(self.cached.get, hashes))
         if None in hits:
             del hits[hits.index(None) :]
-        same = list(map(eq, map(self.hash_input.__getitem__, hits), hash_inputs(len(hits))))
-        if False in same:
+        stored = list(map(self.hash_input.__getitem__, hits))
+        if stored != inputs[: len(hits)]:
             self.num_collisions += 1
-            del hits[same.index(False) :]
+            del hits[list(map(eq, stored, inputs)).index(False) :]
         return hits
 
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -80,9 +78,11 @@ class BlockPool:
         """Take a reference on cached blocks, pulling unreferenced ones out of the free queue."""
         refs, free = self.ref_counts, self._free
         for block_id in block_ids:
-            if refs[block_id] == 0:
+            if refs[block_id]:
+                refs[block_id] += 1
+            else:
                 del free[block_id]
-            refs[block_id] += 1
+                refs[block_id] = 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference each; blocks reaching zero join the queue tail in the given order."""

@@ -86,9 +86,9 @@ class KVCacheManager:
             return [], 0
         hasher = self._state(request).hasher
         token_ids = request.token_ids
-        hasher.extend(token_ids[hasher.num_tokens :])
+        _catch_up(hasher, token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
-        block_ids = self.pool.find_prefix(hasher.hashes[:max_blocks], hasher.hash_inputs)
+        block_ids = self.pool.find_prefix(hasher.hashes[:max_blocks], hasher.inputs)
         num_computed = len(block_ids) * self.block_size
         stats = self._stats
         stats.queries += 1
@@ -188,9 +188,15 @@ class KVCacheManager:
         if not self.enable_caching or not state.cacheable or num_full <= state.num_cached_blocks:
             return
         hasher = state.hasher
-        hasher.extend(request.token_ids[hasher.num_tokens :])
+        _catch_up(hasher, request.token_ids)
         for i in range(state.num_cached_blocks, num_full):
-            if not self.pool.cache(state.block_ids[i], hasher.hashes[i], hasher.hash_input(i)):
+            if not self.pool.cache(state.block_ids[i], hasher.hashes[i], hasher.inputs[i]):
                 state.cacheable = False
                 break
         state.num_cached_blocks = num_full
+
+
+def _catch_up(hasher: BlockHasher, token_ids: list[int]) -> None:
+    """Feed the hasher the tokens it has not seen (no list copy on the first call)."""
+    if hasher.num_tokens < len(token_ids):
+        hasher.extend(token_ids[hasher.num_tokens :] if hasher.num_tokens else token_ids)

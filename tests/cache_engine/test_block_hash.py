@@ -58,19 +58,14 @@ def test_incremental_extend_equals_one_shot(tokens, cuts, salt):
         hasher.extend(tokens[a:b])
     assert hasher.hashes == block_hashes(tokens, 4, extra=[("model", b"x")], salt=salt)
     assert hasher.num_tokens == len(tokens)
-    want = [xxhash.xxh3_128_digest(hasher.hash_input(i)) for i in range(len(hasher.hashes))]
-    assert hasher.hashes == want
-    assert list(hasher.hash_inputs(len(hasher.hashes))) == [
-        hasher.hash_input(i) for i in range(len(hasher.hashes))
-    ]
+    assert hasher.hashes == [xxhash.xxh3_128_digest(data) for data in hasher.inputs]
 
 
-def test_plain_loop_fallback_matches_the_c_iterator_chain():
-    blocks = [bytes([i]) * 16 for i in range(20)]
-    _, many = bh.resolve_algo("xxh3_128")
-    fast = bh._chained_digests(b"r" * 16, blocks, b"e", many)
-    assert fast == bh._chained_digests_loop(b"r" * 16, blocks, b"e", many)
-    assert len(set(fast)) == 20
+def test_numpy_block_split_matches_slicing():
+    data = bytes(range(256)) * 2
+    assert bh._split(data, 16, 3, b"xy", 32) == [data[o : o + 16] + b"xy" for o in (32, 48, 64)]
+    assert bh._split(data, 8, 4) == [data[o : o + 8] for o in (0, 8, 16, 24)]
+    assert bh._split(data, 8, 0, b"z") == []
 
 
 def test_salt_changes_every_block_and_extra_kinds_are_separated():
