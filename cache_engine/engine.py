@@ -417,19 +417,25 @@ class Engine:
                     self._emit_final(request, request.detokenizer.flush(), [])
 
     def _step(self) -> None:
+        started = time.perf_counter()
         with self._lock:
             scheduled = self.scheduler.schedule()
             if not scheduled.chunks:
                 self._fail_unschedulable()
                 return
             batch, sample_rows, logit_rows = self._build_input(scheduled.chunks)
+        model_start = time.perf_counter()
         logits = self.runner.execute(batch)
+        model_end = time.perf_counter()
         with self._lock:
-            self._stats.steps += 1
             self._update(scheduled.chunks, logits, sample_rows, logit_rows)
-            self._stats.peak_used_blocks = max(
-                self._stats.peak_used_blocks, self.kv.pool.num_blocks - self.kv.num_free_blocks
+            stats = self._stats
+            stats.steps += 1
+            stats.peak_used_blocks = max(
+                stats.peak_used_blocks, self.kv.pool.num_blocks - self.kv.num_free_blocks
             )
+            stats.model_s += model_end - model_start
+            stats.step_s += time.perf_counter() - started
 
     def _build_input(
         self, chunks: list[ScheduledChunk]
@@ -566,6 +572,8 @@ _STAT_FIELDS = (
     "prefill_tokens_reused",
     "decode_tokens",
     "steps",
+    "step_s",
+    "model_s",
     "num_blocks",
     "peak_used_blocks",
 )

@@ -83,6 +83,8 @@ class EngineStats:
     preemptions: int = 0
     evictions: int = 0
     steps: int = 0
+    step_s: float = 0.0  # wall time inside engine steps
+    model_s: float = 0.0  # of which the model forward (the rest is engine overhead)
     num_blocks: int = 0
     num_free_blocks: int = 0
     peak_used_blocks: int = 0
@@ -92,6 +94,11 @@ class EngineStats:
     def hit_rate(self) -> float:
         """Share of prompt tokens served from the prefix cache."""
         return self.prefill_tokens_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of step time spent outside the model forward (scheduling, hashing, sampling)."""
+        return 1.0 - self.model_s / self.step_s if self.step_s else 0.0
 
     @property
     def pool_usage(self) -> float:
