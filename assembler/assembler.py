@@ -70,6 +70,8 @@ class Assembler:
     ``expected_cached_tokens`` and the cache-aware order checks which candidate order the
     engine has cached more of. ``demote_invalidators`` moves a "static" segment that
     changes on every request (a timestamp in the system prompt) after the chunks.
+    ``collapse_duplicates=False`` keeps byte-identical chunks as retrieved (what an
+    application without a dedup stage sends; the benchmark's baseline lanes need it).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Assembler:
         stability: StabilityTracker | None = None,
         tree_max_nodes: int = 16_384,
         measure_seams: bool = False,
+        collapse_duplicates: bool = True,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}.")
@@ -101,6 +104,7 @@ class Assembler:
         self.detector = InvalidatorDetector(self.registry, invalidator_after)
         self.tree = ChunkPrefixTree(tree_max_nodes)
         self.measure_seams = measure_seams
+        self.collapse_duplicates = collapse_duplicates
         self._misses = 0  # registry misses (tokenizer calls) of the current request
         self._lock = threading.Lock()
 
@@ -121,7 +125,8 @@ class Assembler:
         """Assemble one prompt.
 
         ``chunks`` are whatever :meth:`ragkv.dedup.Chunk.coerce` accepts, in retrieval
-        order; byte-identical chunks are collapsed to the first. ``history`` is a list of
+        order; byte-identical chunks are collapsed to the first (unless the assembler was
+        built with ``collapse_duplicates=False``). ``history`` is a list of
         ``{"role", "content"}`` turns before the question. ``stability`` overrides the
         class of ``"system"``, ``"few_shot"`` or ``"chunk"`` segments. Chunks over
         ``max_prompt_tokens`` are dropped whole (see :mod:`ragkv.assembler.budget`).
@@ -224,7 +229,7 @@ class Assembler:
         for rank, raw in enumerate(raw_chunks):
             chunk = Chunk.coerce(raw)
             chunk_key = key(chunk)
-            if chunk_key in seen:
+            if chunk_key in seen and self.collapse_duplicates:
                 stats.duplicates_collapsed += 1
                 continue
             seen.add(chunk_key)

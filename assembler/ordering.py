@@ -58,8 +58,11 @@ def cache_aware_order(
 
     Returns the order and how many leading chunks came from the tree walk.
     """
-    by_key = {segment.key: segment for segment in chunks}
+    by_key: dict[bytes, Segment] = {}
+    for segment in chunks:
+        by_key.setdefault(segment.key, segment)
     path = tree.walk(head, by_key)
-    on_path = set(path)
-    rest = canonical_order([s for s in chunks if s.key not in on_path], ranks)
+    # Identity, not key: uncollapsed duplicates of a path chunk still go to the rest.
+    on_path = {id(by_key[key]) for key in path}
+    rest = canonical_order([s for s in chunks if id(s) not in on_path], ranks)
     return [by_key[key] for key in path] + rest, len(path)
