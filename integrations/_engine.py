@@ -1,0 +1,106 @@
+"""What the framework adapters share about the engine: one engine per model, chat prompts,
+sampling parameters and deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
+from ragkv.errors import RequestAbortedError
+
+_ENGINES: dict[tuple[Any, ...], Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def shared_engine(
+    model: str | None = None, *, device: str = "auto", dtype: str | None = None, **kwargs: Any
+) -> Engine:
+    """One engine per (model, device, dtype, options) in this process.
+
+    A model owns its KV pool; every adapter that names the same model shares that pool (and
+    its prefix cache) instead of loading the weights again.
+    """
+    key = (model, device, dtype, tuple(sorted(kwargs.items())))
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype, **kwargs)
+            _ENGINES[key] = engine
+        return engine
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template (plus the
+    generation prompt); ``Role: text`` lines when the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+    else:
+        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+        text = "\n\n".join([*lines, "Assistant:"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def sampling_params(
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    default_max_tokens: int = 256,
+) -> SamplingParams:
+    """Engine sampling parameters from framework-style optional fields (None: engine default)."""
+    return SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=0.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None else top_k,
+        seed=seed,
+        stop=list(stop or []),
+    )
+
+
+def stream_until(
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    cache_salt: str | None,
+    timeout: float | None,
+) -> Iterator[StreamDelta]:
+    """``engine.stream`` that aborts the request once ``timeout`` seconds have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stream = engine.stream(prompt, params, cache_salt=cache_salt)
+    try:
+        for delta in stream:
+            yield delta
+            if delta.finish_reason is None and deadline and time.monotonic() > deadline:
+                raise RequestAbortedError(f"generation timed out after {timeout} s")
+    finally:
+        stream.close()  # aborts the engine request if it is still running
+
+
+async def astream_until(
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    cache_salt: str | None,
+    timeout: float | None,
+) -> AsyncIterator[StreamDelta]:
+    """Asyncio form of :func:`stream_until`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stream = engine.astream(prompt, params, cache_salt=cache_salt)
+    try:
+        async for delta in stream:
+            yield delta
+            if delta.finish_reason is None and deadline and time.monotonic() > deadline:
+                raise RequestAbortedError(f"generation timed out after {timeout} s")
+    finally:
+        await stream.aclose()

@@ -1,0 +1,224 @@
+"""``ChatRagKV``: a LangChain chat model over the in-process prefix-caching engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from ragkv.cache_engine import Engine, Output, SamplingParams
+from ragkv.errors import InvalidInputError
+from ragkv.integrations._engine import (
+    astream_until,
+    chat_prompt_ids,
+    sampling_params,
+    shared_engine,
+    stream_until,
+)
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+
+class ChatRagKV(BaseChatModel):
+    """Chat model backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
+
+    Pass a loaded ``engine`` to share it, or ``model`` (a local Hugging Face checkpoint
+    directory; ``None``: the embedded SmolLM2-135M-Instruct) to load one lazily; models with
+    the same settings share one engine per process. Messages become a prompt through the
+    tokenizer's chat template. ``usage_metadata.input_token_details["cache_read"]`` is the
+    number of prompt tokens served from the prefix cache (0 included).
+
+    ``max_retries`` is accepted for LangChain compatibility: a local engine has no transient
+    failures to retry. ``timeout`` aborts a generation that runs longer.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    engine: Engine | None = Field(default=None, exclude=True, repr=False)
+    model: str | None = None
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    temperature: float | None = 0.0
+    max_tokens: int | None = 256
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = None
+    max_retries: int = 2
+    cache_salt: str | None = None
+    streaming: bool = False
+    _engine: Engine | None = PrivateAttr(default=None)
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragkv"
+
+    def get_engine(self) -> Engine:
+        """The engine this model runs on (loaded on first use when only ``model`` was given)."""
+        if self.engine is not None:
+            return self.engine
+        if self._engine is None:
+            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (the engine's, once loaded)."""
+        engine = self.engine or self._engine
+        if engine is not None:
+            return engine.model_name
+        return self.model or "SmolLM2-135M-Instruct"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "model_name": self.model_name,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="ragkv",
+            ls_model_name=kwargs.get("model", self.model_name),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # -- the LangChain hooks ---------------------------------------------------------------
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        engine, prompt, params, salt = self._request(messages, stop, kwargs)
+        for delta in stream_until(engine, prompt, params, cache_salt=salt, timeout=self.timeout):
+            chunk = _chunk(delta.text, delta.output, self.model_name)
+            if run_manager and (delta.text or delta.output):
+                run_manager.on_llm_new_token(delta.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        engine, prompt, params, salt = self._request(messages, stop, kwargs)
+        async for delta in astream_until(
+            engine, prompt, params, cache_salt=salt, timeout=self.timeout
+        ):
+            chunk = _chunk(delta.text, delta.output, self.model_name)
+            if run_manager and (delta.text or delta.output):
+                await run_manager.on_llm_new_token(delta.text, chunk=chunk)
+            yield chunk
+
+    # -- helpers --------------------------------------------------------------------------
+    def sampling_params(self, stop: list[str] | None = None, **kwargs: Any) -> SamplingParams:
+        """Engine sampling parameters from the fields, overridden by per-call kwargs."""
+        return sampling_params(
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=stop if stop is not None else self.stop,
+        )
+
+    def _request(
+        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Engine, list[int], SamplingParams, str | None]:
+        engine = self.get_engine()
+        prompt = chat_prompt_ids(engine.tokenizer, [_to_chat(m) for m in messages])
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        return engine, prompt, self.sampling_params(stop, **kwargs), salt
+
+
+def _to_chat(message: BaseMessage) -> dict[str, str]:
+    role = _ROLES.get(message.type) or getattr(message, "role", None)
+    if role is None:
+        raise InvalidInputError(f"ChatRagKV cannot send a {message.type!r} message")
+    content = message.content
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and block.get("type") not in ("text", None):
+                raise InvalidInputError(
+                    f"ChatRagKV takes text only; got a {block.get('type')!r} content block"
+                )
+    return {"role": role, "content": message.text}
+
+
+def _usage(output: Output) -> UsageMetadata:
+    u = output.usage
+    return UsageMetadata(
+        input_tokens=u.prompt_tokens,
+        output_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        input_token_details={"cache_read": u.cached_tokens},
+    )
+
+
+def _response_metadata(output: Output, model_name: str) -> dict[str, Any]:
+    return {
+        "model_name": model_name,
+        "finish_reason": output.finish_reason,
+        "request_id": output.request_id,
+    }
+
+
+def _chunk(text: str, output: Output | None, model_name: str) -> ChatGenerationChunk:
+    if output is None:
+        return ChatGenerationChunk(message=AIMessageChunk(content=text))
+    message = AIMessageChunk(
+        content=text,
+        usage_metadata=_usage(output),
+        response_metadata=_response_metadata(output, model_name),
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(
+        message=message, generation_info={"finish_reason": output.finish_reason}
+    )
