@@ -1,0 +1,520 @@
+"""``ragkv serve``: one engine behind an OpenAI-compatible HTTP API (FastAPI).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (with the optional
+``ragkv`` extension: retrieved chunks are deduplicated and assembled by a
+:class:`ragkv.Pipeline` on the server), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics``. Every concurrent request goes to the one engine, whose continuous batching
+serves them together and whose prefix cache they all share.
+
+Safety rules: the API key (if any) is compared in constant time on every route but
+``/health``; bodies over ``max_body_bytes`` get 413 before they are parsed; a request that
+outlives ``request_timeout_s`` is aborted (504); a client that disconnects aborts its request,
+which frees its KV blocks; every error is an OpenAI-style JSON body, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from ragkv.errors import MissingDependencyError
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+except ImportError as exc:  # pragma: no cover - exercised through server_cli
+    raise MissingDependencyError("fastapi", "server") from exc
+
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.errors import (
+    CacheCapacityError,
+    EngineClosedError,
+    InvalidInputError,
+    RagkvError,
+    RequestAbortedError,
+)
+from ragkv.integrations import openai_protocol as proto
+from ragkv.integrations.openai_protocol import APIError, GenerationRequest
+from ragkv.integrations.server_metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+_OPEN_ROUTES = frozenset({"/health"})
+
+
+class _ClientGone(Exception):
+    """The client closed the connection; nobody is left to answer."""
+
+
+def create_app(
+    engine_or_pipeline: Any,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    model_name: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
+
+    ``model_name`` is the id clients must send as ``model`` (default: the engine's
+    ``model_name``); requests naming another model get 404. The caller owns the engine
+    and closes it; the app never does.
+    """
+    from ragkv.pipeline import Pipeline
+
+    if isinstance(engine_or_pipeline, Pipeline):
+        pipeline, engine = engine_or_pipeline, engine_or_pipeline.engine
+    else:
+        engine = engine_or_pipeline
+        pipeline = Pipeline(engine)
+    if max_body_bytes < 1 or request_timeout_s <= 0:
+        raise InvalidInputError("max_body_bytes and request_timeout_s must be positive")
+    served = _Served(
+        engine,
+        pipeline,
+        model_name or getattr(engine, "model_name", None) or "ragkv",
+        max_body_bytes,
+        request_timeout_s,
+        ServerMetrics(engine),
+    )
+    app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ragkv = served
+    _add_routes(app, served)
+    _add_error_handlers(app)
+    app.add_middleware(
+        _Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=served.metrics
+    )
+    return app
+
+
+class _Served:
+    """What the routes share: the engine, the pipeline and the limits."""
+
+    def __init__(
+        self,
+        engine: Any,
+        pipeline: Any,
+        model_name: str,
+        max_body_bytes: int,
+        request_timeout_s: float,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.pipeline = pipeline
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+
+def _add_routes(app: FastAPI, served: _Served) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "ragkv"}
+        limit = getattr(served.engine, "max_model_len", None)
+        if limit is not None:
+            card["max_model_len"] = limit
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = proto.parse_completion(await _read_json(request, served.max_body_bytes))
+        _check_model(parsed, served)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(_tokenize, served.engine, prompt)
+        return await _generate(request, served, parsed, prompt, chat=False, extra=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        parsed = proto.parse_chat(await _read_json(request, served.max_body_bytes))
+        _check_model(parsed, served)
+        token_ids, extra = await asyncio.to_thread(_chat_prompt, served, parsed)
+        return await _generate(request, served, parsed, token_ids, chat=True, extra=extra)
+
+
+def _check_model(parsed: GenerationRequest, served: _Served) -> None:
+    if parsed.model is not None and parsed.model != served.model_name:
+        raise APIError(
+            404,
+            f"model {parsed.model!r} is not served here; this server serves {served.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _tokenize(engine: Any, text: str) -> list[int]:
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _chat_prompt(served: _Served, parsed: GenerationRequest) -> tuple[list[int], dict | None]:
+    """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``."""
+    if parsed.rag is None:
+        try:
+            ids = served.engine.tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # jinja raises for messages the template refuses
+            raise APIError(
+                400, f"the chat template rejected messages: {exc}", param="messages"
+            ) from exc
+        return list(ids), None
+    messages = parsed.messages
+    if messages[-1]["role"] != "user":
+        raise APIError(
+            400, "with ragkv chunks the last message must be the user's question", param="messages"
+        )
+    system = parsed.rag.system
+    if system is None:
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
+    history = [m for m in messages[:-1] if m["role"] != "system"]
+    prepared = served.pipeline.prepare(
+        messages[-1]["content"],
+        parsed.rag.chunks,
+        system=system,
+        history=history,
+        cache_salt=parsed.cache_salt,
+    )
+    stats = prepared.dedup.stats
+    extra = {
+        "chunks_in": stats.chunks_in,
+        "chunks_out": stats.chunks_out,
+        "expected_cached_tokens": prepared.plan.expected_cached_tokens,
+    }
+    return list(prepared.plan.token_ids), extra
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def _generate(
+    request: Request,
+    served: _Served,
+    parsed: GenerationRequest,
+    token_ids: list[int],
+    *,
+    chat: bool,
+    extra: dict | None,
+) -> Response:
+    engine = served.engine
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:  # chat default: up to the context, as vLLM does
+        max_tokens = max(1, getattr(engine, "max_model_len", len(token_ids) + 16) - len(token_ids))
+    params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
+    deadline = asyncio.get_running_loop().time() + served.request_timeout_s
+    request_id = proto.new_request_id("chatcmpl" if chat else "cmpl")
+    stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt)
+    served.metrics.in_flight.inc()
+    try:
+        # The first delta comes before any header, so a bad request still gets a 4xx.
+        first = await _guarded(request, anext(stream), deadline)
+    except BaseException:
+        served.metrics.in_flight.dec()
+        await stream.aclose()
+        raise
+    if parsed.stream:
+        events = _sse(served, parsed, request_id, token_ids, stream, first, deadline, chat=chat)
+
+        async def cleanup() -> None:
+            served.metrics.in_flight.dec()
+            await events.aclose()
+            await stream.aclose()
+
+        return _ClosingStream(events, cleanup)
+    try:
+        output = first.output or await _guarded(request, _last_output(stream), deadline)
+    finally:
+        served.metrics.in_flight.dec()
+        await stream.aclose()
+    build = proto.chat_body if chat else proto.completion_body
+    body = build(request_id, served.model_name, output, return_token_ids=parsed.return_token_ids)
+    if extra is not None:
+        body["ragkv"] = extra
+    return JSONResponse(body)
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _sse(
+    served: _Served,
+    parsed: GenerationRequest,
+    request_id: str,
+    prompt_ids: list[int],
+    stream: AsyncIterator[Any],
+    first: Any,
+    deadline: float,
+    *,
+    chat: bool,
+) -> AsyncIterator[bytes]:
+    """SSE events of one streamed request. Starlette cancels this generator when the client
+    disconnects; closing ``stream`` then aborts the request and frees its blocks."""
+    model = served.model_name
+    ids = parsed.return_token_ids
+    try:
+        async with contextlib.aclosing(stream):
+            if chat:
+                yield _event(
+                    proto.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
+                )
+            delta = first
+            while True:
+                if delta.text or delta.finish_reason or ids:  # else text is held back
+                    chunk = _stream_chunk(request_id, model, delta, chat=chat, ids=ids)
+                    if ids and delta is first:
+                        chunk["choices"][0]["prompt_token_ids"] = prompt_ids
+                    yield _event(chunk)
+                if delta.output is not None:
+                    break
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(stream)
+            if parsed.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _event(
+                    proto.usage_chunk(request_id, model, obj, delta.output.usage.to_openai())
+                )
+    except TimeoutError:
+        yield _event(_timeout_error(served).body())
+    except RagkvError as exc:
+        yield _event(_api_error(exc).body())
+    yield b"data: [DONE]\n\n"
+
+
+class _ClosingStream(StreamingResponse):
+    """An SSE response that runs ``cleanup`` however it ends: finished, failed, or cancelled
+    by a disconnect before its body iterator ever started (then no ``finally`` inside it runs)."""
+
+    def __init__(self, events: AsyncIterator[bytes], cleanup: Any) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.cleanup()
+
+
+def _stream_chunk(
+    request_id: str, model: str, delta: Any, *, chat: bool, ids: bool
+) -> dict[str, Any]:
+    tokens = delta.token_ids if ids else None
+    if chat:
+        content = {"content": delta.text} if delta.text else {}
+        return proto.chat_chunk(request_id, model, content, delta.finish_reason, tokens)
+    return proto.completion_chunk(request_id, model, delta.text, delta.finish_reason, tokens)
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _last_output(stream: AsyncIterator[Any]) -> Any:
+    async for delta in stream:
+        if delta.output is not None:
+            return delta.output
+    raise RequestAbortedError("the request ended without an output")  # pragma: no cover
+
+
+async def _guarded(request: Request, step: Awaitable[Any], deadline: float) -> Any:
+    """Await ``step`` unless the client disconnects first (raises _ClientGone) or the
+    deadline passes (504). Either way ``step`` is cancelled, which aborts its request."""
+    task = asyncio.ensure_future(step)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        done, _ = await asyncio.wait(
+            {task, watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if watcher in done:
+        raise _ClientGone
+    raise _timeout_error(request.app.state.ragkv)
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is fully read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    size = 0
+    parts = []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _timeout_error(served: _Served) -> APIError:
+    return APIError(
+        504,
+        f"the request did not finish within {served.request_timeout_s:g} s and was aborted",
+        type="timeout_error",
+        code="timeout",
+    )
+
+
+def _api_error(exc: RagkvError) -> APIError:
+    if isinstance(exc, InvalidInputError):
+        return APIError(400, str(exc), param=_param_named_in(str(exc)))
+    if isinstance(exc, CacheCapacityError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, EngineClosedError | RequestAbortedError):
+        return APIError(503, str(exc), type="server_error", code="unavailable")
+    return APIError(500, str(exc), type="server_error")
+
+
+_SAMPLING_FIELDS = frozenset(
+    ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids")
+)
+
+
+def _param_named_in(message: str) -> str | None:
+    # SamplingParams.validate() messages start with the field name ("top_p must be ...").
+    first = message.split(" ", 1)[0]
+    if first in _SAMPLING_FIELDS:
+        return first
+    return "prompt" if message.startswith(("prompt", "token id")) else None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RagkvError)
+    async def ragkv_error(request: Request, exc: RagkvError) -> JSONResponse:
+        error = _api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        error = APIError(500, "internal server error; see the server log", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+# -- the gate: auth, early size check, request counting ------------------------------------------
+
+
+class _Gate:
+    """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware)."""
+
+    def __init__(
+        self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"]
+        status = 500
+
+        async def counted_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is not None:
+                await _send_error(counted_send, error)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            known = route if route in _KNOWN_ROUTES else "other"
+            self.metrics.http_requests.labels(known, str(status)).inc()
+
+    def _refuse(self, scope: dict) -> APIError | None:
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"] not in _OPEN_ROUTES:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return APIError(
+                    401,
+                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+
+_KNOWN_ROUTES = frozenset(
+    {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+)
+
+
+async def _send_error(send: Any, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "create_app"]
