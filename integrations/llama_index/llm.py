@@ -1,0 +1,215 @@
+"""``RagKVLLM``: a LlamaIndex LLM over the in-process prefix-caching engine."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from ragkv.cache_engine import Engine, Output, SamplingParams
+from ragkv.integrations._engine import (
+    astream_until,
+    chat_prompt_ids,
+    sampling_params,
+    shared_engine,
+    stream_until,
+)
+
+
+class RagKVLLM(CustomLLM):
+    """LlamaIndex LLM backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
+
+    Pass a loaded ``engine``, or ``model`` (local checkpoint directory; ``None``: the embedded
+    SmolLM2-135M-Instruct) to load one lazily, shared per process. ``chat`` and unformatted
+    ``complete`` prompts go through the tokenizer's chat template; ``complete(...,
+    formatted=True)`` sends the text as is. Every response has ``raw["usage"]`` in the OpenAI
+    shape (``prompt_tokens_details.cached_tokens`` included) and ``prompt_tokens``,
+    ``completion_tokens``, ``total_tokens`` and ``cached_tokens`` in ``additional_kwargs``.
+    """
+
+    engine: Any = Field(default=None, exclude=True)
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    temperature: float = 0.0
+    max_tokens: int = 256
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    timeout: float | None = None
+    cache_salt: str | None = None
+    _engine: Engine | None = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagKVLLM"
+
+    def get_engine(self) -> Engine:
+        """The engine this LLM runs on (loaded on first use when only ``model`` was given)."""
+        if self.engine is not None:
+            return self.engine
+        if self._engine is None:
+            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        engine = self.get_engine()
+        return LLMMetadata(
+            context_window=engine.max_model_len,
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            model_name=engine.model_name,
+        )
+
+    def sampling_params(self, **kwargs: Any) -> SamplingParams:
+        """Engine sampling parameters from the fields, overridden by per-call kwargs."""
+        return sampling_params(
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=kwargs.get("stop", self.stop),
+        )
+
+    # -- completion ---------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        ids = self._completion_ids(prompt, formatted)
+        return _last(self._completions(self._deltas(ids, kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        ids = self._completion_ids(prompt, formatted)
+        return self._completions(self._deltas(ids, kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        return await _alast(self._acompletions(self._completion_ids(prompt, formatted), kwargs))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return self._acompletions(self._completion_ids(prompt, formatted), kwargs)
+
+    # -- chat -----------------------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        ids = self._chat_ids(messages)
+        return _as_chat(_last(self._completions(self._deltas(ids, kwargs))))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        ids = self._chat_ids(messages)
+        return (_as_chat(r) for r in self._completions(self._deltas(ids, kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _as_chat(await _alast(self._acompletions(self._chat_ids(messages), kwargs)))
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        async def gen() -> ChatResponseAsyncGen:
+            async for response in self._acompletions(self._chat_ids(messages), kwargs):
+                yield _as_chat(response)
+
+        return gen()
+
+    # -- helpers --------------------------------------------------------------------------
+    def _chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        turns = [{"role": _role(m.role), "content": m.content or ""} for m in messages]
+        if self.system_prompt and not any(t["role"] == "system" for t in turns):
+            turns.insert(0, {"role": "system", "content": self.system_prompt})
+        return chat_prompt_ids(self.get_engine().tokenizer, turns)
+
+    def _completion_ids(self, prompt: str, formatted: bool) -> list[int]:
+        if formatted:
+            return list(self.get_engine().tokenizer(prompt, add_special_tokens=False).input_ids)
+        return self._chat_ids([ChatMessage(role=MessageRole.USER, content=prompt)])
+
+    def _deltas(self, ids: list[int], kwargs: dict[str, Any]) -> Any:
+        params = self.sampling_params(**kwargs)
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        return stream_until(self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout)
+
+    def _completions(self, deltas: Any) -> CompletionResponseGen:
+        text = ""
+        for delta in deltas:
+            text += delta.text
+            if delta.text or delta.output is not None:
+                yield _response(text, delta.text, delta.output)
+
+    async def _acompletions(
+        self, ids: list[int], kwargs: dict[str, Any]
+    ) -> CompletionResponseAsyncGen:
+        params = self.sampling_params(**kwargs)
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        text = ""
+        async for delta in astream_until(
+            self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout
+        ):
+            text += delta.text
+            if delta.text or delta.output is not None:
+                yield _response(text, delta.text, delta.output)
+
+
+def _role(role: MessageRole | str) -> str:
+    value = role.value if isinstance(role, MessageRole) else str(role)
+    return "assistant" if value == "model" else value
+
+
+def _response(text: str, delta: str, output: Output | None) -> CompletionResponse:
+    if output is None:
+        return CompletionResponse(text=text, delta=delta)
+    usage = output.usage.to_openai()
+    counts = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return CompletionResponse(
+        text=text,
+        delta=delta,
+        raw={"usage": usage, "finish_reason": output.finish_reason, "id": output.request_id},
+        additional_kwargs={**counts, "cached_tokens": output.usage.cached_tokens},
+    )
+
+
+def _as_chat(response: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        delta=response.delta,
+        raw=response.raw,
+        additional_kwargs=response.additional_kwargs,
+    )
+
+
+def _last(responses: Any) -> Any:
+    return deque(responses, maxlen=1)[0]
+
+
+async def _alast(responses: Any) -> Any:
+    last = None
+    async for response in responses:
+        last = response
+    return last

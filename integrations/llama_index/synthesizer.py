@@ -1,0 +1,129 @@
+"""``RagKVSynthesizer``: LlamaIndex response synthesis through :class:`ragkv.Pipeline`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.response.schema import (
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
+from llama_index.core.prompts.mixin import PromptDictType
+from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from ragkv.dedup import Chunk, Deduplicator
+from ragkv.integrations._documents import make_chunk
+from ragkv.pipeline import Answer, Pipeline
+
+
+def node_to_chunk(item: NodeWithScore, metadata_mode: MetadataMode = MetadataMode.LLM) -> Chunk:
+    """The chunk the LLM will see: the node's content rendered with ``metadata_mode``."""
+    node = item.node
+    text = node.get_content(metadata_mode=metadata_mode)
+    source = node.ref_doc_id or node.node_id
+    return make_chunk(text, source, item.score, {"node_id": node.node_id})
+
+
+class RagKVSynthesizer(BaseSynthesizer):
+    """Answers from the retrieved nodes with :class:`ragkv.Pipeline`, not a flat prompt string.
+
+    Each node becomes one chunk (its LLM-visible text), so dedup applies and the prompt is
+    assembled from per-chunk token ids in a cache-friendly ``order``. ``llm`` must be a
+    :class:`~ragkv.integrations.llama_index.RagKVLLM`; its sampling fields are used.
+    ``Response.metadata`` carries ``usage`` (OpenAI shape, ``cached_tokens`` included),
+    ``dedup`` (counts) and ``plan`` (the :class:`~ragkv.assembler.PromptPlan`).
+
+    Use: ``index.as_query_engine(llm=llm, response_synthesizer=RagKVSynthesizer(llm))``.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        system: str | None = None,
+        deduplicator: Deduplicator | None = None,
+        order: str = "stable-first",
+        max_prompt_tokens: int | None = None,
+        streaming: bool = False,
+        metadata_mode: MetadataMode = MetadataMode.LLM,
+    ) -> None:
+        super().__init__(llm=llm, streaming=streaming)
+        self.system = system
+        self.metadata_mode = metadata_mode
+        self.pipeline = Pipeline(
+            llm.get_engine(),
+            deduplicator=deduplicator,
+            order=order,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+
+    def _get_prompts(self) -> PromptDictType:
+        return {}
+
+    def _update_prompts(self, prompts: PromptDictType) -> None:
+        pass
+
+    def synthesize(
+        self,
+        query: str | QueryBundle,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ) -> Response | StreamingResponse:
+        question = query.query_str if isinstance(query, QueryBundle) else query
+        sources = [*nodes, *(additional_source_nodes or ())]
+        chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
+        if self._streaming:
+            deltas = self.pipeline.stream(question, chunks, **self._call_kwargs())
+            return StreamingResponse((d.text for d in deltas), source_nodes=sources)
+        answer = self.pipeline.answer(question, chunks, **self._call_kwargs())
+        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
+
+    async def asynthesize(
+        self,
+        query: str | QueryBundle,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ) -> Response | AsyncStreamingResponse:
+        question = query.query_str if isinstance(query, QueryBundle) else query
+        sources = [*nodes, *(additional_source_nodes or ())]
+        chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
+        if self._streaming:
+            deltas = self.pipeline.astream(question, chunks, **self._call_kwargs())
+            return AsyncStreamingResponse(_texts(deltas), source_nodes=sources)
+        answer = await self.pipeline.aanswer(question, chunks, **self._call_kwargs())
+        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
+        """The answer text for plain text chunks (the ``BaseSynthesizer`` hook)."""
+        return self.pipeline.answer(query_str, text_chunks, **self._call_kwargs()).text
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
+        """Asyncio form of :meth:`get_response`."""
+        answer = await self.pipeline.aanswer(query_str, text_chunks, **self._call_kwargs())
+        return answer.text
+
+    def _call_kwargs(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "params": self._llm.sampling_params(),
+            "cache_salt": self._llm.cache_salt,
+        }
+
+
+def _metadata(answer: Answer) -> dict[str, Any]:
+    return {
+        "usage": answer.usage.to_openai(),
+        "dedup": answer.dedup.as_dict(),
+        "plan": answer.plan,
+        "timings": answer.timings,
+    }
+
+
+async def _texts(deltas: Any) -> Any:
+    async for delta in deltas:
+        yield delta.text
