@@ -1,0 +1,73 @@
+"""Fixtures for the HTTP server tests: one tiny engine and one live ``ragkv serve`` app on a
+free loopback port, shared by every test in this folder that asks for them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support import save_tiny_checkpoint
+
+API_KEY = "test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def serve_model_dir(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("serve-llama"), "llama", seed=7)
+
+
+@pytest.fixture(scope="session")
+def serve_engine(serve_model_dir):
+    from ragkv.cache_engine import Engine
+
+    with Engine.from_pretrained(
+        serve_model_dir, device="cpu", kv_cache_tokens=8192, max_model_len=1024
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def start_server(serve_engine):
+    """``start_server(**create_app_kwargs) -> base_url``; every server stops at session end."""
+    pytest.importorskip("fastapi")
+    from ragkv.integrations.server import create_app
+    from ragkv.integrations.server_thread import ServerThread
+
+    running = []
+
+    def start(engine=None, **kwargs) -> str:
+        kwargs.setdefault("api_key", API_KEY)
+        thread = ServerThread(create_app(engine or serve_engine, **kwargs))
+        running.append(thread)
+        return thread.start()
+
+    yield start
+    for thread in running:
+        thread.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(start_server) -> str:
+    return start_server(max_body_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="session")
+def api_key() -> str:
+    return API_KEY
+
+
+@pytest.fixture(scope="session")
+def wait_until_idle():
+    """``wait_until_idle(engine, baseline_free)``: poll (bounded) until no request holds a
+    block; the caller asserts, so a leak fails there instead of hanging here."""
+
+    def wait(engine, baseline_free: int, attempts: int = 400) -> None:
+        for _ in range(attempts):
+            if (
+                engine.stats().num_free_blocks == baseline_free
+                and not engine.scheduler.has_unfinished()
+            ):
+                return
+            time.sleep(0.025)
+
+    return wait
