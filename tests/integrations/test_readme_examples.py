@@ -1,0 +1,41 @@
+"""The README's LangChain and LlamaIndex examples run as written, on the embedded model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def snippet(heading: str) -> str:
+    """The fenced python block of the README section titled ``heading``."""
+    text = README.read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, f"expected one python block under '## {heading}'"
+    return blocks[0]
+
+
+@pytest.mark.slow
+def test_readme_langchain_example_runs(capsys):
+    pytest.importorskip("langchain_core")
+    namespace: dict = {}
+    exec(compile(snippet("LangChain"), "README.md#langchain", "exec"), namespace)
+    out = namespace["out"]
+    assert len(out["documents"]) == 2  # three stored passages, one byte-identical copy
+    assert len(out["plan"].spans("chunk")) == 2
+    assert out["answer"] and out["answer"] in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_readme_llama_index_example_runs(capsys):
+    pytest.importorskip("llama_index.core")
+    namespace: dict = {}
+    exec(compile(snippet("LlamaIndex"), "README.md#llamaindex", "exec"), namespace)
+    response = namespace["response"]
+    assert len(response.source_nodes) == 2
+    assert response.metadata["dedup"]["chunks_out"] == 2
+    assert str(response) and str(response) in capsys.readouterr().out
