@@ -1,0 +1,225 @@
+"""RemoteEngine: the Engine surface over HTTP. Against a live ``ragkv serve`` on loopback
+(exact tokens, cached_tokens, salts, Pipeline), and against a scripted transport for the
+failure paths (retries, fallbacks, unknown cache counts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+import ragkv
+from ragkv.cache_engine import SamplingParams
+from ragkv.errors import RemoteEngineError
+from ragkv.integrations.openai import RemoteEngine, RemoteUsage
+
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+# -- against ragkv serve ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def remote(base_url, api_key, serve_model_dir):
+    pytest.importorskip("fastapi")
+    with RemoteEngine(base_url + "/v1", tokenizer=serve_model_dir, api_key=api_key) as engine:
+        yield engine
+
+
+def test_sync_stream_and_async_calls_return_the_engines_exact_tokens(remote, serve_engine):
+    prompt = ids(21, 30)
+    direct = serve_engine.generate(prompt, PARAMS)
+    out = remote.generate(prompt, PARAMS)
+    deltas = list(remote.stream(prompt, PARAMS))
+
+    async def both():
+        agen = await remote.agenerate(prompt, PARAMS)
+        adeltas = [d async for d in remote.astream(prompt, PARAMS)]
+        await remote.aclose()
+        return agen, adeltas
+
+    aout, adeltas = asyncio.run(both())
+    for result in (out, deltas[-1].output, aout, adeltas[-1].output):
+        assert result.token_ids == direct.token_ids
+        assert result.text == direct.text
+        assert result.prompt_token_ids == prompt
+        assert result.finish_reason == "length"
+    assert "".join(d.text for d in deltas) == direct.text
+    assert [t for d in adeltas for t in d.token_ids] == direct.token_ids
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_cached_tokens_come_back_and_salts_isolate(remote):
+    prompt = ids(22, 48)
+    assert remote.generate(prompt, PARAMS).usage.cached_tokens == 0
+    assert remote.generate(prompt, PARAMS).usage.cached_tokens == 32  # last token recomputed
+    assert remote.generate(prompt, PARAMS, cache_salt="tenant-b").usage.cached_tokens == 0
+    remote.cache_salt = "tenant-c"  # the default salt for calls without one
+    assert remote.generate(prompt, PARAMS).usage.cached_tokens == 0
+
+
+def test_pipeline_on_remote_engine_matches_pipeline_on_the_local_engine(remote, serve_engine):
+    chunks = [
+        "Blocks are hashed with their prefix.",
+        "Duplicates are dropped.",
+        "Blocks are hashed with their prefix.",
+    ]
+    local = ragkv.Pipeline(serve_engine).answer("How?", chunks, system="Be brief.", params=PARAMS)
+    answer = ragkv.Pipeline(remote).answer("How?", chunks, system="Be brief.", params=PARAMS)
+    assert answer.plan.token_ids == local.plan.token_ids
+    assert answer.output.token_ids == local.output.token_ids
+    assert answer.dedup.chunks_out == 2
+    assert answer.usage.cached_tokens > 0  # the local run warmed the server's engine
+
+
+def test_http_errors_become_remote_engine_errors(base_url, serve_model_dir, api_key):
+    with RemoteEngine(base_url + "/v1", tokenizer=serve_model_dir, api_key="wrong") as bad:
+        with pytest.raises(RemoteEngineError) as info:
+            bad.generate([5, 6, 7], PARAMS)
+        assert info.value.status_code == 401
+    with RemoteEngine(
+        base_url + "/v1", tokenizer=serve_model_dir, api_key=api_key, model="nope"
+    ) as wrong:
+        with pytest.raises(RemoteEngineError) as info:
+            wrong.generate([5, 6, 7], PARAMS)
+        assert info.value.status_code == 404
+
+
+# -- scripted transport ------------------------------------------------------------------------
+
+
+def completion(text: str = "ok", usage: dict | None = None) -> dict:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+        "usage": usage or {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+
+
+class Script:
+    """A MockTransport handler answering with the queued responses, recording the bodies."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.bodies: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(request.content) if request.content else {})
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def scripted(script: Script, **kwargs) -> RemoteEngine:
+    from support import tiny_tokenizer
+
+    kwargs.setdefault("backoff_s", 0.0)
+    return RemoteEngine(
+        "http://remote.invalid/v1",
+        tokenizer=tiny_tokenizer(),
+        model="m",
+        transport=httpx.MockTransport(script),
+        **kwargs,
+    )
+
+
+def test_429_and_5xx_are_retried_then_succeed():
+    script = Script(
+        httpx.Response(429, headers={"Retry-After": "0"}),
+        httpx.Response(503, json={"error": {"message": "busy"}}),
+        httpx.ConnectError("refused"),
+        httpx.Response(200, json=completion("fine")),
+    )
+    assert scripted(script).generate([1, 2, 3], PARAMS).text == "fine"
+    assert len(script.bodies) == 4
+
+
+def test_retries_give_up_with_the_last_status():
+    script = Script(*[httpx.Response(502, json={"error": {"message": "bad gateway"}})] * 3)
+    with pytest.raises(RemoteEngineError, match="bad gateway") as info:
+        scripted(script, max_retries=2).generate([1, 2, 3], PARAMS)
+    assert info.value.status_code == 502 and not script.answers
+
+
+def test_client_errors_are_not_retried():
+    script = Script(httpx.Response(401, json={"error": {"message": "no key"}}))
+    with pytest.raises(RemoteEngineError) as info:
+        scripted(script).generate("hello", PARAMS)
+    assert info.value.status_code == 401 and len(script.bodies) == 1
+
+
+def test_timeouts_are_retried_and_then_reported():
+    script = Script(httpx.ReadTimeout("slow"), httpx.ReadTimeout("slow"))
+    with pytest.raises(RemoteEngineError, match="timed out") as info:
+        scripted(script, max_retries=1).generate([1, 2], PARAMS)
+    assert info.value.status_code is None
+
+
+def test_missing_cached_tokens_is_unknown_not_zero():
+    script = Script(httpx.Response(200, json=completion()))
+    usage = scripted(script).generate([1, 2, 3], PARAMS).usage
+    assert isinstance(usage, RemoteUsage)
+    assert usage.cached_tokens is None
+    assert "prompt_tokens_details" not in usage.to_openai()
+
+
+def test_a_server_refusing_token_ids_gets_text_from_then_on():
+    script = Script(
+        httpx.Response(400, json={"error": {"message": "prompt must be a string"}}),
+        httpx.Response(200, json=completion("a")),
+        httpx.Response(200, json=completion("b")),
+    )
+    engine = scripted(script)
+    prompt = engine.tokenizer.encode("hello world")
+    assert engine.generate(prompt, PARAMS).text == "a"
+    assert engine.generate(prompt, PARAMS).text == "b"
+    first, *text_bodies = script.bodies
+    assert first["prompt"] == prompt and first["return_token_ids"] is True
+    assert [b["prompt"] for b in text_bodies] == ["hello world"] * 2
+    assert all("return_token_ids" not in b for b in text_bodies)
+
+
+def test_sampling_params_and_salt_go_on_the_wire_and_defaults_stay_off():
+    script = Script(httpx.Response(200, json=completion()), httpx.Response(200, json=completion()))
+    engine = scripted(script, cache_salt="tenant")
+    engine.generate([1, 2], SamplingParams(max_tokens=3, top_k=5, stop=["\n"], seed=1))
+    engine.generate([1, 2], SamplingParams(max_tokens=3), cache_salt="override")
+    tuned, plain = script.bodies
+    assert tuned["top_k"] == 5 and tuned["stop"] == ["\n"] and tuned["seed"] == 1
+    assert tuned["cache_salt"] == "tenant" and plain["cache_salt"] == "override"
+    assert not {"top_k", "min_p", "stop", "ignore_eos", "seed"} & set(plain)
+
+
+def sse(*events: dict) -> bytes:
+    lines = [f"data: {json.dumps(e)}\n\n" for e in events]
+    return ("".join(lines) + "data: [DONE]\n\n").encode()
+
+
+def test_an_error_event_inside_a_stream_raises():
+    body = sse(
+        {"id": "c", "choices": [{"text": "a", "finish_reason": None}]},
+        {"error": {"message": "timeout"}},
+    )
+    script = Script(httpx.Response(200, content=body))
+    with pytest.raises(RemoteEngineError, match="timeout"):
+        list(scripted(script).stream([1, 2], PARAMS))
+
+
+def test_a_stream_without_usage_still_finishes_with_unknown_cache():
+    body = sse(
+        {"id": "c", "choices": [{"text": "a", "finish_reason": None}]},
+        {"id": "c", "choices": [{"text": "b", "finish_reason": "stop"}]},
+    )
+    deltas = list(scripted(Script(httpx.Response(200, content=body))).stream([1, 2], PARAMS))
+    assert [d.text for d in deltas] == ["a", "b"]
+    assert deltas[-1].output.text == "ab" and deltas[-1].output.usage.cached_tokens is None
