@@ -1,0 +1,40 @@
+"""``ragkv serve`` argument parsing and its failure without the ``server`` extra."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from ragkv.errors import MissingDependencyError
+from ragkv.integrations import server_cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ragkv")
+    server_cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv(server_cli.API_KEY_ENV, "from-env")
+    args = parse()
+    assert args.host == "127.0.0.1" and args.port == 8000
+    assert args.api_key == "from-env" and args.model is None
+    assert parse("--api-key", "flag").api_key == "flag"
+
+
+def test_without_the_server_extra_it_names_the_pip_extra(monkeypatch):
+    for name in [m for m in sys.modules if m.startswith(("fastapi", "ragkv.integrations.server"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # makes `import fastapi` fail
+    args = parse("--port", "1")
+    with pytest.raises(MissingDependencyError, match=r"ragkv\[server\]"):
+        args.func(args)
+
+
+def test_non_loopback_hosts_are_recognised():
+    assert server_cli._is_loopback("127.0.0.1") and server_cli._is_loopback("::1")
+    assert server_cli._is_loopback("localhost")
+    assert not server_cli._is_loopback("0.0.0.0")
