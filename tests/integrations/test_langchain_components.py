@@ -16,7 +16,7 @@ from support import save_tiny_checkpoint, training_text  # noqa: E402
 
 from ragkv.cache_engine import Engine  # noqa: E402
 from ragkv.dedup import Deduplicator  # noqa: E402
-from ragkv.errors import InvalidInputError  # noqa: E402
+from ragkv.errors import InvalidInputError, RequestAbortedError  # noqa: E402
 from ragkv.integrations.langchain import (  # noqa: E402
     ChatRagKV,
     DedupCompressor,
@@ -197,3 +197,9 @@ def test_rag_chain_assembles_unique_chunks_at_token_level(engine, passages):
         s.end - s.start for s in spans
     )
     assert isinstance(second["answer"], str)
+
+
+def test_timeout_aborts_the_generation(engine):
+    model = ChatRagKV(engine=engine, max_tokens=200, timeout=0.0)
+    with pytest.raises(RequestAbortedError, match="timed out"):
+        model.invoke("Write a long story.")
