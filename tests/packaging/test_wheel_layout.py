@@ -47,3 +47,10 @@ def test_no_top_level_stage_package_shadows_pypi_names(wheel_names):
     top_level = {name.split("/")[0] for name in wheel_names}
     assert not top_level & {*STAGES, "tests", "benchmarks", "notebooks"}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"ragkv"}
+
+
+def test_every_module_is_in_the_wheel(wheel_names):
+    for folder, prefix in [("ragkv", "ragkv"), *((s, f"ragkv/{s}") for s in STAGES)]:
+        for source in (ROOT / folder).rglob("*.py"):
+            relative = source.relative_to(ROOT / folder).as_posix()
+            assert f"{prefix}/{relative}" in wheel_names, f"{folder}/{relative} is not packaged"
