@@ -1,0 +1,109 @@
+"""``ragkv bench``: replay a workload through the four lanes and report the savings stack."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ragkv.bench.lanes import LANES
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="compare no-cache / apc / apc+assembler / ragkv lanes on one workload",
+        description="Replay the same requests through several lanes side by side "
+        "(see README, 'Benchmark'). Exits 1 when greedy outputs of identical prompts differ.",
+    )
+    p.add_argument("--workload", choices=("synthetic", "trace"), default="synthetic")
+    p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (bf16 where native, else float32), float32, bfloat16"
+    )
+    p.add_argument("--kv-cache-tokens", type=int, help="KV pool (default: half the unique tokens)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per lane")
+    p.add_argument("--order", choices=("stable-first", "cache-aware"), default="stable-first")
+    p.add_argument("--lanes", default=",".join(LANES), help="comma-separated subset of lanes")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("synthetic workload")
+    g.add_argument("--requests", type=int, default=200)
+    g.add_argument("--topics", type=int, default=50)
+    g.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity")
+    g.add_argument("--query-variants", type=int, default=3)
+    g.add_argument("--top-k", type=int, default=4)
+    g.add_argument("--follow-up-rate", type=float, default=0.2)
+    g.add_argument("--questions-per-topic", type=int, default=4)
+    g.add_argument("--no-timestamp", action="store_true", help="no timestamp in the system prompt")
+    g.add_argument("--chunk-size", type=int, default=400, help="characters per corpus window")
+    g.add_argument("--chunk-overlap", type=int, default=100)
+    t = p.add_argument_group("trace workload")
+    t.add_argument("--trace", help="JSONL file, one request per line (segment ids by role)")
+    t.add_argument("--lengths", help="JSON object {segment id: token length}")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout)")
+    o.add_argument("--plot", metavar="FILE.png", help="plot tokens and TTFT (needs ragkv[bench])")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def build_workload(args: argparse.Namespace) -> Any:
+    from ragkv.bench.workload import SyntheticConfig, synthetic_workload, trace_workload
+    from ragkv.errors import ConfigError
+
+    if args.workload == "trace":
+        if not args.trace or not args.lengths:
+            raise ConfigError("--workload trace needs --trace FILE.jsonl and --lengths FILE.json")
+        from transformers import AutoTokenizer
+
+        from ragkv.bench.runner import model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
+        return trace_workload(args.trace, args.lengths, tokenizer, seed=args.seed)
+    return synthetic_workload(
+        SyntheticConfig(
+            requests=args.requests,
+            topics=args.topics,
+            zipf_s=args.zipf,
+            query_variants=args.query_variants,
+            top_k=args.top_k,
+            follow_up_rate=args.follow_up_rate,
+            timestamp=not args.no_timestamp,
+            questions_per_topic=args.questions_per_topic,
+            chunk_size=args.chunk_size,
+            chunk_overlap=args.chunk_overlap,
+            seed=args.seed,
+        )
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragkv.bench.report import format_table, plot, write_json
+    from ragkv.bench.runner import BenchConfig, run_bench
+
+    workload = build_workload(args)
+    config = BenchConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        order=args.order,
+        lanes=[name.strip() for name in args.lanes.split(",") if name.strip()],
+        progress=not args.no_progress,
+    )
+    report, results = run_bench(workload, config)
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+        if args.json:
+            write_json(report, args.json)
+    if args.plot:
+        plot(report, results, args.plot)
+    return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1

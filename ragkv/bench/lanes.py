@@ -1,0 +1,216 @@
+"""The four benchmark lanes and the replay loop that runs a workload through one of them.
+
+Every lane is a :class:`ragkv.Pipeline` on its own fresh :class:`Engine` (same model,
+dtype, block size and KV pool), so all lanes start cold and build prompts with the same
+template; they differ only in what the issue's savings stack adds:
+
+============== ================= ============================ ===== ======================
+lane           prefix caching    chunk order                  dedup invalidator demotion
+============== ================= ============================ ===== ======================
+no-cache       off               retrieval                    no    no
+apc            on                retrieval                    no    no
+apc+assembler  on                stable-first / cache-aware   no    yes
+ragkv          on                stable-first / cache-aware   yes   yes
+============== ================= ============================ ===== ======================
+
+The replay is a closed loop: at most ``concurrency`` requests in flight, dispatched in
+workload order; a follow-up waits until its session's previous turn has answered, because
+its history holds that answer (each lane's own answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.bench.workload import RequestSpec, Workload
+from ragkv.errors import ConfigError
+
+LANES = ("no-cache", "apc", "apc+assembler", "ragkv")
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSpec:
+    """What one lane switches on."""
+
+    name: str
+    prefix_caching: bool
+    order: str
+    dedup: bool
+    demote_invalidators: bool
+
+
+def lane_specs(names: Sequence[str] = LANES, order: str = "stable-first") -> list[LaneSpec]:
+    """Specs of the named lanes; ``order`` is the assembler order of the last two."""
+    table = {
+        "no-cache": LaneSpec("no-cache", False, "retrieval", False, False),
+        "apc": LaneSpec("apc", True, "retrieval", False, False),
+        "apc+assembler": LaneSpec("apc+assembler", True, order, False, True),
+        "ragkv": LaneSpec("ragkv", True, order, True, True),
+    }
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        raise ConfigError(f"unknown lane(s) {unknown}; choose from {', '.join(LANES)}")
+    return [table[n] for n in names]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request cost in one lane."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    dedup_removed_tokens: int
+    ttft_s: float  # dedup + assembly + engine time to first token
+    e2e_s: float  # dedup + assembly + engine total
+    chunks_in: int
+    chunks_out: int
+
+
+@dataclass(slots=True)
+class LaneResult:
+    """All records of one lane, the engine's counters at the end and the wall time."""
+
+    spec: LaneSpec
+    records: list[RequestRecord]
+    stats: Any  # EngineStats
+    wall_s: float
+    load_s: float
+    kv_cache_tokens: int
+    answers: list[Any] = field(default_factory=list)  # Answer objects, when kept
+
+
+def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
+    """The lane's pipeline: the assembler keeps duplicates unless the lane deduplicates."""
+    from ragkv.assembler import Assembler
+    from ragkv.dedup import ChunkRegistry
+    from ragkv.pipeline import Pipeline
+
+    registry = ChunkRegistry()
+    assembler = Assembler(
+        engine.tokenizer,
+        block_size=engine.block_size,
+        order=spec.order,
+        registry=registry,
+        demote_invalidators=spec.demote_invalidators,
+        collapse_duplicates=spec.dedup,
+    )
+    return Pipeline(engine, assembler=assembler, registry=registry, dedup=spec.dedup)
+
+
+def run_lane(
+    spec: LaneSpec,
+    workload: Workload,
+    make_engine: Callable[[LaneSpec], Any],
+    params: Any,
+    *,
+    concurrency: int = 8,
+    progress: bool = False,
+    keep_answers: bool = False,
+) -> LaneResult:
+    """Replay ``workload`` through a fresh engine from ``make_engine(spec)``."""
+    if concurrency < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    started = time.perf_counter()
+    engine = make_engine(spec)
+    load_s = time.perf_counter() - started
+    try:
+        pipeline = build_pipeline(spec, engine)
+        bar = _progress(len(workload.requests), spec.name, progress)
+        t0 = time.perf_counter()
+        answers = asyncio.run(_replay(pipeline, workload.requests, params, concurrency, bar))
+        wall_s = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        stats = engine.stats()
+        kv_tokens = stats.num_blocks * engine.block_size
+    finally:
+        engine.close()
+    records = [
+        _record(spec, pipeline, request, answer)
+        for request, answer in zip(workload.requests, answers, strict=True)
+    ]
+    return LaneResult(
+        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else []
+    )
+
+
+async def _replay(
+    pipeline: Any, requests: Sequence[RequestSpec], params: Any, concurrency: int, bar: Any
+) -> list[Any]:
+    slots = asyncio.Semaphore(concurrency)
+    turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+    last: dict[str, asyncio.Task[Any]] = {}
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def one(spec: RequestSpec) -> Any:
+        try:
+            history = spec.history if spec.history is not None else list(turns[spec.session_id])
+            answer = await pipeline.aanswer(
+                spec.question, spec.chunks, system=spec.system, history=history, params=params
+            )
+            turns[spec.session_id] += [
+                {"role": "user", "content": spec.question},
+                {"role": "assistant", "content": answer.text},
+            ]
+            if bar is not None:
+                bar.update(1)
+            return answer
+        finally:
+            slots.release()
+
+    for spec in requests:
+        previous = last.get(spec.session_id)
+        if previous is not None:
+            await previous  # its answer is part of this request's history
+        await slots.acquire()
+        last[spec.session_id] = task = asyncio.create_task(one(spec))
+        tasks.append(task)
+    return list(await asyncio.gather(*tasks))
+
+
+def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) -> RequestRecord:
+    t = answer.timings
+    prep = t["dedup_s"] + t["assemble_s"]
+    usage = answer.usage
+    return RequestRecord(
+        index=request.index,
+        prompt_token_ids=answer.output.prompt_token_ids,
+        token_ids=answer.output.token_ids,
+        text=answer.text,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+        dedup_removed_tokens=_removed_tokens(pipeline, request, answer) if spec.dedup else 0,
+        ttft_s=prep + t["ttft_s"],
+        e2e_s=prep + t["total_s"],
+        chunks_in=answer.dedup.chunks_in,
+        chunks_out=answer.dedup.chunks_out,
+    )
+
+
+def _removed_tokens(pipeline: Any, request: RequestSpec, answer: Any) -> int:
+    """Tokens the duplicates would have added: each is as long as its survivor's span."""
+    lengths = {s.content_hash: s.end - s.start for s in answer.plan.spans("chunk")}
+    key = pipeline.registry.key
+    retrieved = sum(lengths.get(key(c), 0) for c in request.chunks)
+    kept = sum(lengths.values())
+    delimiter = len(pipeline.assembler.template.chunk_delimiter.token_ids)
+    return retrieved - kept + delimiter * (len(request.chunks) - len(lengths))
+
+
+def _progress(total: int, name: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"{name:>13}", unit="req", leave=False)

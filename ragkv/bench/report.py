@@ -1,0 +1,248 @@
+"""Benchmark report: per-lane summary, determinism check, terminal table, JSON and plot.
+
+JSON keys (stable): ``{"lanes": {lane: {...}}, "workload": {...}, "machine": {...},
+"determinism": {...}, "ratios": {...}}``; see the README ("Benchmark") for each lane's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ragkv.bench.lanes import LaneResult
+from ragkv.bench.workload import Workload
+from ragkv.errors import MissingDependencyError
+
+TARGETS = {"prefill_ragkv_vs_apc": 0.5, "prefill_ragkv_vs_no_cache": 0.25}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def lane_summary(result: LaneResult) -> dict[str, Any]:
+    """The documented per-lane numbers."""
+    records, stats = result.records, result.stats
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    output = sum(r.completion_tokens for r in records)
+    ttft = [r.ttft_s for r in records]
+    e2e = [r.e2e_s for r in records]
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "dedup_removed_tokens": sum(r.dedup_removed_tokens for r in records),
+        "prefill_tokens_computed": stats.prefill_tokens_computed,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p95_s": percentile(e2e, 95),
+        "output_tokens": output,
+        "output_tokens_per_s": output / result.wall_s if result.wall_s else 0.0,
+        "peak_kv_blocks": stats.peak_used_blocks,
+        "kv_blocks": stats.num_blocks,
+        "evictions": stats.evictions,
+        "preemptions": stats.preemptions,
+        "wall_s": result.wall_s,
+        "load_s": result.load_s,
+        "prefix_caching": result.spec.prefix_caching,
+        "order": result.spec.order,
+        "dedup": result.spec.dedup,
+    }
+
+
+def determinism(
+    results: Sequence[LaneResult], *, strict: bool = True, max_examples: int = 5
+) -> dict[str, Any]:
+    """Compare greedy outputs of every pair of lanes that sent identical prompt ids.
+
+    ``strict`` says whether a mismatch is a bug (the bench then exits non-zero). It is not
+    in bf16 with batching: CPU/GPU GEMMs round differently for different batch shapes, and
+    lanes batch different requests together, so a near-tie can flip a greedy token.
+    """
+    seen: dict[tuple[int, ...], list[tuple[str, int, list[int]]]] = {}
+    for result in results:
+        for r in result.records:
+            seen.setdefault(tuple(r.prompt_token_ids), []).append(
+                (result.spec.name, r.index, r.token_ids)
+            )
+    pairs = mismatches = 0
+    examples = []
+    for entries in seen.values():
+        for i, (lane_a, index_a, out_a) in enumerate(entries):
+            for lane_b, index_b, out_b in entries[i + 1 :]:
+                if lane_a == lane_b:
+                    continue
+                pairs += 1
+                if out_a != out_b:
+                    mismatches += 1
+                    if len(examples) < max_examples:
+                        examples.append({"lanes": [lane_a, lane_b], "requests": [index_a, index_b]})
+    by_lanes: dict[str, int] = {}
+    for entries in seen.values():
+        lanes = sorted({e[0] for e in entries})
+        if len(lanes) > 1:
+            key = " = ".join(lanes)
+            by_lanes[key] = by_lanes.get(key, 0) + 1
+    return {
+        "identical_prompt_pairs": pairs,
+        "mismatches": mismatches,
+        "ok": mismatches == 0,
+        "strict": strict,
+        "shared_prompts_by_lanes": by_lanes,
+        "examples": examples,
+    }
+
+
+def ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ragkv against the baselines: prefill tokens computed and TTFT p50."""
+    out: dict[str, Any] = {}
+    ragkv = lanes.get("ragkv")
+    for base, tag in (("apc", "apc"), ("no-cache", "no_cache")):
+        if ragkv is None or base not in lanes:
+            continue
+        b = lanes[base]
+        if b["prefill_tokens_computed"]:
+            out[f"prefill_ragkv_vs_{tag}"] = (
+                ragkv["prefill_tokens_computed"] / b["prefill_tokens_computed"]
+            )
+        if b["ttft_p50_s"]:
+            out[f"ttft_p50_ragkv_vs_{tag}"] = ragkv["ttft_p50_s"] / b["ttft_p50_s"]
+    out["targets_met"] = {key: out[key] <= limit for key, limit in TARGETS.items() if key in out}
+    return out
+
+
+def machine_info(engine_info: dict[str, Any]) -> dict[str, Any]:
+    """Where and when the run happened (CPU model, cores, versions, dtype, model)."""
+    import torch
+
+    from ragkv._version import __version__
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(),
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ragkv": __version__,
+        **engine_info,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_report(
+    results: Sequence[LaneResult], workload: Workload, machine: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole JSON document. Determinism is strict in fp32 or without batching."""
+    lanes = {r.spec.name: lane_summary(r) for r in results}
+    strict = machine.get("dtype") in ("float32", "fp32") or machine.get("concurrency") == 1
+    return {
+        "lanes": lanes,
+        "workload": workload.params,
+        "machine": machine,
+        "determinism": determinism(results, strict=strict),
+        "ratios": ratios(lanes),
+    }
+
+
+_COLUMNS = (
+    ("lane", "{}", None),
+    ("prompt tok", "{:,}", "prompt_tokens"),
+    ("dedup -tok", "{:,}", "dedup_removed_tokens"),
+    ("prefill tok", "{:,}", "prefill_tokens_computed"),
+    ("cached tok", "{:,}", "cached_tokens"),
+    ("hit", "{:.0%}", "hit_rate"),
+    ("TTFT p50", "{:.3f}s", "ttft_p50_s"),
+    ("TTFT p95", "{:.3f}s", "ttft_p95_s"),
+    ("e2e p50", "{:.3f}s", "e2e_p50_s"),
+    ("out tok/s", "{:.1f}", "output_tokens_per_s"),
+    ("peak blk", "{}", "peak_kv_blocks"),
+    ("evict", "{}", "evictions"),
+    ("wall", "{:.1f}s", "wall_s"),
+)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The per-lane table plus ratio and determinism lines, for the terminal."""
+    rows = [[title for title, _, _ in _COLUMNS]]
+    for name, lane in report["lanes"].items():
+        rows.append([name] + [fmt.format(lane[key]) for _, fmt, key in _COLUMNS[1:]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    r = report["ratios"]
+    parts = [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in r.items() if isinstance(v, float)]
+    if parts:
+        lines.append("ragkv vs baselines  " + "; ".join(parts))
+    d = report["determinism"]
+    verdict = "ok" if d["ok"] else "MISMATCH" if d["strict"] else "bf16 batch-shape noise"
+    lines.append(
+        f"determinism: {d['identical_prompt_pairs']} identical-prompt pairs across lanes, "
+        f"{d['mismatches']} mismatches ({verdict})"
+    )
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def plot(report: dict[str, Any], results: Sequence[LaneResult], path: str | Path) -> None:
+    """Prefill tokens computed vs cached per lane, and TTFT distributions (PNG)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise MissingDependencyError("matplotlib", "bench") from exc
+    names = list(report["lanes"])
+    lanes = report["lanes"]
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    bars, box = fig.subplots(1, 2)
+    computed = [lanes[n]["prefill_tokens_computed"] for n in names]
+    cached = [lanes[n]["cached_tokens"] for n in names]
+    removed = [lanes[n]["dedup_removed_tokens"] for n in names]
+    bars.bar(names, computed, label="prefill computed")
+    bars.bar(names, cached, bottom=computed, label="served from cache")
+    bottom = [a + b for a, b in zip(computed, cached, strict=True)]
+    bars.bar(names, removed, bottom=bottom, label="removed by dedup", hatch="//", alpha=0.5)
+    bars.set_ylabel("prompt tokens")
+    bars.set_title("Where the prompt tokens went")
+    bars.legend()
+    box.boxplot([[r.ttft_s for r in res.records] for res in results], tick_labels=names)
+    box.set_ylabel("seconds")
+    box.set_title("Time to first token")
+    fig.suptitle(
+        f"ragkv bench: {report['workload'].get('kind')} workload, "
+        f"{report['machine'].get('model')} ({report['machine'].get('dtype')})"
+    )
+    fig.savefig(path, dpi=110)
