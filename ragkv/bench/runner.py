@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from ragkv.bench.lanes import LANES, LaneResult, LaneSpec, lane_specs, run_lane
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
+from ragkv.dedup import Deduplicator
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +26,9 @@ class BenchConfig:
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU runs it natively, else fp32
     kv_cache_tokens: int | None = None  # None: half the workload's unique tokens (see below)
     block_size: int = 16
-    max_tokens: int = 16
+    max_tokens: int = 8
     concurrency: int = 8
-    order: str = "stable-first"
+    order: str = "cache-aware"
     lanes: Sequence[str] = LANES
     progress: bool = False
     keep_answers: bool = False
@@ -52,37 +54,60 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def default_kv_tokens(
-    workload: Workload, tokenizer: Any, block_size: int, max_tokens: int, share: float = 0.5
+    workload: Workload,
+    tokenizer: Any,
+    block_size: int,
+    max_tokens: int,
+    order: str = "cache-aware",
+    share: float = 0.5,
 ) -> int:
-    """``share`` of the workload's unique prompt tokens, and at least two largest requests.
+    """``share`` of the unique tokens of the ragkv lane's prompts; at least 2 largest requests.
 
-    Unique tokens: every distinct chunk, system prompt and question once (what the ragkv
-    lane's prompts hold). The floor keeps the pool able to run the biggest no-cache request
-    next to another one, so baselines are not starved into preemption by a tiny pool.
+    The ragkv lane's prompts are assembled here without a model (dedup + assembler; a
+    follow-up's earlier answers stand in as ``max_tokens`` filler tokens) and their distinct
+    full blocks counted: the working set an unbounded prefix cache would hold. The floor
+    keeps the pool able to run the biggest no-cache request next to another one, so the
+    baselines are not starved into preemption by a tiny pool.
     """
-    texts = {c.text for r in workload.requests for c in r.chunks}
-    texts |= {r.system for r in workload.requests} | {r.question for r in workload.requests}
-    texts |= {t["content"] for r in workload.requests for t in r.history or ()}
-    ordered = sorted(texts)
-    lengths = dict(
-        zip(
-            ordered,
-            map(len, tokenizer(ordered, add_special_tokens=False)["input_ids"]),
-            strict=True,
-        )
-    )
-    unique = sum(lengths.values())
-    turns: dict[str, int] = {}
+    from ragkv.bench.lanes import lane_specs
+
+    spec = lane_specs(["ragkv"], order)[0]
+    assembler = _assembler(spec, tokenizer, block_size)
+    deduplicator = Deduplicator()
+    filler = " ".join(["answer"] * max_tokens)
+    turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+    blocks: set[int] = set()
     largest = 0
     for r in workload.requests:
-        history = sum(lengths[t["content"]] + 8 for t in r.history or ())
-        if r.history is None:  # the lane's own turns: questions and answers so far
-            history = turns.get(r.session_id, 0)
-            turns[r.session_id] = history + lengths[r.question] + max_tokens + 16
-        size = sum(lengths[c.text] + 4 for c in r.chunks) + lengths[r.system]
-        largest = max(largest, size + lengths[r.question] + history + 64 + max_tokens)
-    tokens = max(int(unique * share), 2 * largest)
+        history = r.history if r.history is not None else turns[r.session_id]
+        plan = assembler.assemble(
+            system=r.system,
+            chunks=deduplicator.dedupe(r.chunks).chunks,
+            question=r.question,
+            history=history,
+        )
+        ids = plan.token_ids
+        chained = 0
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            chained = hash((chained, tuple(ids[start : start + block_size])))
+            blocks.add(chained)
+        removed = sum(len(c.text) for c in r.chunks) - sum(
+            len(c.text) for c in deduplicator.dedupe(r.chunks).chunks
+        )
+        # Duplicates the baselines also send: ~4 characters per token is plenty here.
+        largest = max(largest, len(ids) + removed // 3 + max_tokens)
+        turns[r.session_id] += [
+            {"role": "user", "content": r.question},
+            {"role": "assistant", "content": filler},
+        ]
+    tokens = max(int(len(blocks) * block_size * share), 2 * largest)
     return -(-tokens // block_size) * block_size
+
+
+def _assembler(spec: LaneSpec, tokenizer: Any, block_size: int) -> Any:
+    from ragkv.assembler import Assembler
+
+    return Assembler(tokenizer, block_size=block_size, order=spec.order)
 
 
 def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], list[LaneResult]]:
@@ -96,7 +121,9 @@ def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], 
     kv_tokens = config.kv_cache_tokens
     if kv_tokens is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        kv_tokens = default_kv_tokens(workload, tokenizer, config.block_size, config.max_tokens)
+        kv_tokens = default_kv_tokens(
+            workload, tokenizer, config.block_size, config.max_tokens, config.order
+        )
     logger.info("bench: dtype %s, KV pool %d tokens", dtype, kv_tokens)
     model_name = [""]
 
