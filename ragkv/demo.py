@@ -36,11 +36,16 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ragkv.bench.cli import quiet_invalidator_warning
+
+    with quiet_invalidator_warning():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.report import format_table
     from ragkv.bench.runner import BenchConfig, run_bench
     from ragkv.bench.workload import SyntheticConfig, synthetic_workload
 
-    quiet_invalidator_warning()
     requests, show = (8, min(args.show, 2)) if args.quick else (args.requests, args.show)
     workload = synthetic_workload(
         SyntheticConfig(requests=requests, topics=args.topics, seed=args.seed)

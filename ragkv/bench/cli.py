@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ragkv.bench.lanes import LANES
@@ -81,10 +84,14 @@ def build_workload(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    with quiet_invalidator_warning():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.report import format_table, plot, write_json
     from ragkv.bench.runner import BenchConfig, run_bench
 
-    quiet_invalidator_warning()
     workload = build_workload(args)
     config = BenchConfig(
         model=args.model,
@@ -110,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
 
 
-def quiet_invalidator_warning() -> None:
+@contextmanager
+def quiet_invalidator_warning() -> Iterator[None]:
     """The synthetic workload's timestamp is an invalidator on purpose; the lanes show its cost."""
-    import logging
-
-    logging.getLogger("ragkv.assembler.invalidators").setLevel(logging.ERROR)
+    logger = logging.getLogger("ragkv.assembler.invalidators")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
