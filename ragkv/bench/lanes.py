@@ -170,14 +170,20 @@ async def _replay(
         finally:
             slots.release()
 
-    for spec in requests:
-        previous = last.get(spec.session_id)
-        if previous is not None:
-            await previous  # its answer is part of this request's history
-        await slots.acquire()
-        last[spec.session_id] = task = asyncio.create_task(one(spec))
-        tasks.append(task)
-    return list(await asyncio.gather(*tasks))
+    try:
+        for spec in requests:
+            previous = last.get(spec.session_id)
+            if previous is not None:
+                await previous  # its answer is part of this request's history
+            await slots.acquire()
+            last[spec.session_id] = task = asyncio.create_task(one(spec))
+            tasks.append(task)
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # cancelling aborts the request in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) -> RequestRecord:

@@ -13,6 +13,7 @@ from ragkv.bench.lanes import LANES, LaneResult, LaneSpec, lane_specs, run_lane
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
 from ragkv.dedup import Deduplicator
+from ragkv.errors import PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -141,18 +142,23 @@ def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], 
         return engine
 
     params = SamplingParams(max_tokens=config.max_tokens)
-    results = [
-        run_lane(
-            spec,
-            workload,
-            make_engine,
-            params,
-            concurrency=config.concurrency,
-            progress=config.progress,
-            keep_answers=config.keep_answers,
-        )
-        for spec in lane_specs(config.lanes, config.order)
-    ]
+    try:
+        results = [
+            run_lane(
+                spec,
+                workload,
+                make_engine,
+                params,
+                concurrency=config.concurrency,
+                progress=config.progress,
+                keep_answers=config.keep_answers,
+            )
+            for spec in lane_specs(config.lanes, config.order)
+        ]
+    except PromptTooLongError as exc:
+        raise PromptTooLongError(
+            f"{exc}. For the bench: lower --chunk-size or --top-k, or use a longer-context model"
+        ) from exc
     machine = machine_info(
         {
             "model": model_name[0],

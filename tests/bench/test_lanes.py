@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -129,3 +130,16 @@ def test_cli_trace_replays_to_json(tiny_model, tmp_path):
 def test_cli_trace_without_files_is_a_clear_error(tiny_model, capsys):
     assert main(_cli(tiny_model, "--workload", "trace")) == 1
     assert "--trace" in capsys.readouterr().err
+
+
+def test_a_prompt_over_the_model_context_is_a_clear_error_and_no_stray_task(
+    tiny_model, caplog, capsys
+):
+    # 2,000-character windows tokenize past the tiny model's 2,048-token context; a follow-up
+    # then stops the dispatch loop while other requests are in flight.
+    args = _cli(tiny_model, "--requests", "8", "--topics", "2", "--follow-up-rate", "0.5",
+                "--chunk-size", "2000", "--chunk-overlap", "0", "--lanes", "no-cache")  # fmt: skip
+    assert main(args) == 1
+    assert "--chunk-size" in capsys.readouterr().err
+    gc.collect()  # asyncio reports an unawaited task's exception when the task is collected
+    assert "never retrieved" not in caplog.text
