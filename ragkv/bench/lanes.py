@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +130,7 @@ def run_lane(
         pipeline = build_pipeline(spec, engine)
         bar = _progress(len(workload.requests), spec.name, progress)
         t0 = time.perf_counter()
-        answers = asyncio.run(_replay(pipeline, workload.requests, params, concurrency, bar))
+        answers = _run_coroutine(_replay(pipeline, workload.requests, params, concurrency, bar))
         wall_s = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -144,6 +145,16 @@ def run_lane(
     return LaneResult(
         spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else []
     )
+
+
+def _run_coroutine(coro: Any) -> Any:
+    """``asyncio.run``, also from code that already runs an event loop (Jupyter)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def _replay(

@@ -143,3 +143,13 @@ def test_a_prompt_over_the_model_context_is_a_clear_error_and_no_stray_task(
     assert "--chunk-size" in capsys.readouterr().err
     gc.collect()  # asyncio reports an unawaited task's exception when the task is collected
     assert "never retrieved" not in caplog.text
+
+
+async def test_run_bench_works_inside_a_running_event_loop(tiny_model, small_config):
+    """Notebooks run an event loop; the bench must not call asyncio.run on it."""
+    workload = synthetic_workload(small_config(requests=3, follow_up_rate=0.0))
+    config = BenchConfig(
+        model=tiny_model, device="cpu", dtype="float32", max_tokens=2, lanes=["ragkv"]
+    )
+    report, _ = run_bench(workload, config)
+    assert report["lanes"]["ragkv"]["requests"] == 3
