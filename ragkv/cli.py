@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ragkv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
 
@@ -41,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ragkv`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # Some libraries set their own logger to DEBUG when imported (bm25s does); filtering at
+    # the handler keeps their chatter out of the CLI whatever they do to their loggers.
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(level)
     try:
         return int(args.func(args) or 0)
     except RagkvError as exc:

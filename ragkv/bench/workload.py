@@ -184,26 +184,37 @@ def synthetic_workload(config: SyntheticConfig | None = None) -> Workload:
     return Workload("synthetic", requests, params)
 
 
+_QUESTIONS = (
+    "What does the Python reference say about {title}?",
+    "Can you explain {title} in Python, with an example?",
+    "What are the exact rules for {title} in Python?",
+    "What are common mistakes with {title} in Python?",
+    "How is {title} evaluated step by step in Python?",
+)
+
+
 def _intents(name: str, text: str, count: int, variants: int) -> list[_Intent]:
-    """Questions about one topic: one from its name, the rest from its first sentences."""
-    subject = name.replace("-", " ")
-    phrasings = [
-        f"What does the Python reference say about {subject}?",
-        f"Explain {subject} in Python with the exact rules.",
-        f"{subject} semantics syntax rules",
-    ]
-    intents = [_Intent(phrasings[0], _cycle(phrasings, variants))]
-    for sentence in _sentences(text):
-        if len(intents) >= count:
-            break
-        words = [w for w in _WORD.findall(sentence) if w.lower() not in _STOP][:4]
-        if len(words) < 2:
-            continue
-        keywords = " ".join(words)
-        question = f"In Python's {subject}, how does {keywords} work?"
-        options = [question, sentence, f"{subject}: {keywords}"]
+    """Questions about one topic, phrased around its title ("The "for" statement").
+
+    Each question's retrieval variants are the question itself, then sentences and
+    keywords from the topic's text, as a multi-query retriever's rewrites would be.
+    """
+    title = _title(name, text)
+    sentences = _sentences(text)
+    intents = []
+    for i in range(min(count, len(_QUESTIONS))):
+        question = _QUESTIONS[i].format(title=title)
+        sentence = sentences[i % len(sentences)] if sentences else title
+        words = [w for w in _WORD.findall(sentence) if w.lower() not in _STOP][:5]
+        options = [question, f"{title} {' '.join(words)}", sentence]
         intents.append(_Intent(question, _cycle(options, variants)))
     return intents
+
+
+def _title(name: str, text: str) -> str:
+    """The topic's heading, first letter lower-cased unless it starts a quoted keyword."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), name)
+    return first[0].lower() + first[1:] if first[:1].isupper() and first[1:2].islower() else first
 
 
 def _sentences(text: str) -> list[str]:
