@@ -15,6 +15,7 @@ Triton kernel and torch reference side by side; :func:`paged_attention` dispatch
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,38 +92,29 @@ def paged_attention_torch(
     """Torch path of :func:`paged_attention`: SDPA per sequence over its K/V.
 
     A sequence whose blocks are consecutive in the cache reads them as a zero-copy view;
-    otherwise its blocks are gathered with one index op. Decode sequences that need a
-    gather are batched into a single padded, masked SDPA call.
+    otherwise its blocks are gathered with one ``index_select``. Decode sequences that need
+    a gather are batched into a single padded, masked SDPA call. Everything that depends
+    only on the metadata lives in a :class:`_Plan`, built once per step (see :func:`_plan`).
     """
-    cu = _to_list(cu_seqlens_q)
-    lens = _to_list(seq_lens)
-    block_size = k_cache.shape[1]
-    n_blocks = [-(-length // block_size) for length in lens]
-    first_block, consecutive = _consecutive_runs(block_table, n_blocks)
+    plan = _plan(block_table, cu_seqlens_q, seq_lens, k_cache.shape[1], q.dtype)
     out = torch.empty_like(q)
-
-    gathered_decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and not consecutive[i]]
-    if len(gathered_decode) > 1:
-        _decode_gathered(q, k_cache, v_cache, block_table, cu, lens, n_blocks, gathered_decode, scale, out)  # fmt: skip
-    batched = set(gathered_decode) if len(gathered_decode) > 1 else set()
-
-    for i, seq_len in enumerate(lens):
-        start, end = cu[i], cu[i + 1]
-        if i in batched or start == end:
-            continue
-        if consecutive[i]:
-            # Zero-copy: the sequence's blocks sit next to each other in the cache.
-            blocks = slice(first_block[i], first_block[i] + n_blocks[i])
+    if plan.decode is not None:
+        _decode_gathered(q, k_cache, v_cache, plan.decode, scale, out)
+    for start, end, blocks, seq_len, mask in plan.seqs:
+        if isinstance(blocks, slice):  # zero-copy: the blocks sit next to each other
+            k, v = k_cache[blocks], v_cache[blocks]
         else:
-            blocks = block_table[i, : n_blocks[i]].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
-        out[start:end] = _attend(q[start:end], k, v, scale)
+            k, v = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+        k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Bottom-right causal SDPA of q ``[q_len, H, D]`` over k, v ``[kv_len, H_kv, D]``."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Bottom-right causal SDPA of q ``[q_len, H, D]`` over k, v ``[kv_len, H_kv, D]``;
+    ``mask`` is the additive causal mask when ``0 < q_len < kv_len``."""
     q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, _ = k.shape
     k = k.transpose(0, 1).unsqueeze(0)
@@ -134,23 +126,143 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
         return F.scaled_dot_product_attention(q, k, v, scale=scale).view(1, num_heads, head_dim)
     q = q.transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
-    if q_len == kv_len:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    causal = mask is None  # q_len == kv_len: top-left and bottom-right causal coincide
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
     return o[0].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class _DecodeBatch:
+    """Index tensors of one padded decode gather (see :func:`_decode_gathered`)."""
+
+    rows: torch.Tensor  # [batch] query rows of the decode sequences
+    blocks: torch.Tensor  # [batch * max_blocks] block ids, padding -> the row's first block
+    max_blocks: int
+    past_end: torch.Tensor | None  # flat gathered token slots past each sequence's length
+    mask: torch.Tensor | None  # additive [batch, 1, 1, max_blocks * block_size]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What one step's metadata implies, identical for every layer of the step."""
+
+    key: tuple
+    table: torch.Tensor  # a private copy, compared on lookup
+    # Per sequence not in ``decode``: (q start, q end, blocks, seq_len, causal mask or None).
+    seqs: list[tuple[int, int, slice | torch.Tensor, int, torch.Tensor | None]]
+    decode: _DecodeBatch | None
+
+
+# The engine calls paged_attention once per layer with the same step metadata. One cached
+# plan spares every layer but the first the run detection, index tensors and causal masks
+# (a [q_len, kv_len] mask rebuilt per layer cost more than the gathers it serves). The key
+# is the metadata's *content*, so a caller that edits a table in place never gets a stale
+# plan; one entry bounds the memory to one step's masks.
+_last_plan: _Plan | None = None
+
+
+def _plan(
+    block_table: torch.Tensor,
+    cu_seqlens_q: IntSeq,
+    seq_lens: IntSeq,
+    block_size: int,
+    dtype: torch.dtype,
+) -> _Plan:
+    global _last_plan
+    cu, lens = _to_list(cu_seqlens_q), _to_list(seq_lens)
+    key = (
+        tuple(cu),
+        tuple(lens),
+        block_size,
+        dtype,
+        block_table.dtype,
+        block_table.device,
+        block_table.shape,
+    )
+    plan = _last_plan
+    if plan is not None and plan.key == key and torch.equal(plan.table, block_table):
+        return plan
+    _last_plan = plan = _build_plan(key, block_table, cu, lens, block_size, dtype)
+    return plan
+
+
+def _build_plan(
+    key: tuple,
+    block_table: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> _Plan:
+    device = block_table.device
+    n_blocks = [-(-length // block_size) for length in lens]
+    first_block, consecutive = _consecutive_runs(block_table, n_blocks)
+    gathered_decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and not consecutive[i]]
+    decode = None
+    if len(gathered_decode) > 1:
+        decode = _plan_decode(block_table, cu, lens, n_blocks, gathered_decode, block_size, dtype)
+    batched = set(gathered_decode) if decode is not None else set()
+    masks: dict[tuple[int, int], torch.Tensor] = {}
+    seqs = []
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        if i in batched or start == end:
+            continue
+        if consecutive[i]:
+            blocks = slice(first_block[i], first_block[i] + n_blocks[i])
+        else:
+            blocks = block_table[i, : n_blocks[i]].long()
+        q_len, mask = end - start, None
+        if 1 < q_len < seq_len:
+            if (q_len, seq_len) not in masks:
+                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
+                masks[q_len, seq_len] = _additive(visible.tril(seq_len - q_len), dtype)
+            mask = masks[q_len, seq_len]
+        seqs.append((start, end, blocks, seq_len, mask))
+    return _Plan(key, block_table.clone(), seqs, decode)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # SDPA turns a boolean mask into this 0 / -inf float mask on every call; build it once.
+    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return zeros.masked_fill_(~visible, float("-inf"))
+
+
+def _plan_decode(
+    block_table: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    n_blocks: list[int],
+    seqs: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> _DecodeBatch:
+    device = block_table.device
+    max_blocks = max(n_blocks[i] for i in seqs)
+    idx = torch.tensor(seqs, device=device)
+    table = block_table[idx, :max_blocks].long()
+    needed = torch.tensor([n_blocks[i] for i in seqs], device=device)
+    columns = torch.arange(max_blocks, device=device)
+    table = torch.where(columns < needed[:, None], table, table[:, :1])
+    past_end = mask = None
+    padded = max_blocks * block_size
+    if any(lens[i] != padded for i in seqs):
+        seq_lens = torch.tensor([lens[i] for i in seqs], device=device)
+        positions = torch.arange(padded, device=device)
+        visible = positions < seq_lens[:, None]
+        past_end = (~visible).flatten().nonzero().flatten()
+        mask = _additive(visible.view(len(seqs), 1, 1, padded), dtype)
+    rows = torch.tensor([cu[i] for i in seqs], device=device)
+    return _DecodeBatch(rows, table.flatten(), max_blocks, past_end, mask)
 
 
 def _decode_gathered(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu: list[int],
-    lens: list[int],
-    n_blocks: list[int],
-    seqs: list[int],
+    plan: _DecodeBatch,
     scale: float,
     out: torch.Tensor,
 ) -> None:
@@ -160,30 +272,18 @@ def _decode_gathered(
     table's padding is pointed at each sequence's own first block, and gathered slots past
     each sequence's length are zeroed before the masked SDPA.
     """
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads, batch = q.shape[1], len(seqs)
-    max_blocks = max(n_blocks[i] for i in seqs)
-    idx = torch.tensor(seqs, device=q.device)
-    table = block_table[idx, :max_blocks].long()
-    needed = torch.tensor([n_blocks[i] for i in seqs], device=q.device)
-    columns = torch.arange(max_blocks, device=q.device)
-    table = torch.where(columns < needed[:, None], table, table[:, :1])
-    k = k_cache[table].view(batch, -1, num_kv_heads, head_dim)
-    v = v_cache[table].view(batch, -1, num_kv_heads, head_dim)
-    mask = None
-    if any(lens[i] != max_blocks * block_size for i in seqs):
-        for row, i in enumerate(seqs):
-            k[row, lens[i] :] = 0
-            v[row, lens[i] :] = 0
-        seq_lens = torch.tensor([lens[i] for i in seqs], device=q.device)
-        positions = torch.arange(max_blocks * block_size, device=q.device)
-        mask = (positions < seq_lens[:, None]).view(batch, 1, 1, -1)
-    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
-    qg = q[rows].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_heads, batch = q.shape[1], len(plan.rows)
+    k = k_cache.index_select(0, plan.blocks).view(batch, -1, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, plan.blocks).view(batch, -1, num_kv_heads, head_dim)
+    if plan.past_end is not None:
+        k.view(-1, num_kv_heads, head_dim).index_fill_(0, plan.past_end, 0)
+        v.view(-1, num_kv_heads, head_dim).index_fill_(0, plan.past_end, 0)
+    qg = q[plan.rows].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale
     )
-    out[rows] = o.view(batch, num_heads, head_dim)
+    out[plan.rows] = o.view(batch, num_heads, head_dim)
 
 
 def _consecutive_runs(
