@@ -7,6 +7,7 @@ poisons the output.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -17,15 +18,23 @@ from ragkv.kernels import paged_attention, store_kv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", "triton"]
+# The module (ragkv.kernels re-exports its function under the same name).
+pa = importlib.import_module("ragkv.kernels.paged_attention")
 
 
 def make_batch(specs, *, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
-               num_blocks=None, permute=True, seed=0):  # fmt: skip
-    """A paged batch: specs are (seq_len, q_len); returns q, caches, table, cu, lens, kv."""
+               num_blocks=None, permute=True, run=None, seed=0):  # fmt: skip
+    """A paged batch: specs are (seq_len, q_len); returns q, caches, table, cu, lens, kv.
+
+    Blocks are handed out in random order (``permute``), in order, or, with ``run=n``, as
+    runs of ``n`` consecutive blocks in reverse order (tables made of several runs).
+    """
     gen = torch.Generator().manual_seed(seed)
     need = [math.ceil(seq_len / block_size) for seq_len, _ in specs]
     num_blocks = num_blocks or sum(need) + 3
     order = torch.randperm(num_blocks, generator=gen) if permute else torch.arange(num_blocks)
+    if run is not None:
+        order = torch.cat(torch.arange(num_blocks).split(run)[::-1])
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -108,6 +117,37 @@ def test_bf16_torch_path_matches_reference():
 )
 def test_bf16_triton_path_matches_reference():  # pragma: no cover - GPU only
     check([(20, 7), (11, 1)], "triton", dtype=torch.bfloat16, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("run", [1, 2, 3])
+def test_tables_of_several_consecutive_runs_match_reference(backend, run):
+    # prefills with and without a cached prefix, partial and full last blocks, decodes
+    specs = [(40, 40), (37, 9), (33, 1), (24, 1), (8, 1), (29, 2), (17, 1)]
+    check(specs, backend, run=run, kv_heads=1, group=3)
+
+
+def test_same_step_metadata_reuses_one_plan_across_layers():
+    q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1)])
+    cu_list, lens_list = cu.tolist(), lens.tolist()
+    out = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
+    plan = pa._last_plan
+    again = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
+    assert pa._last_plan is plan
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+def test_table_edited_in_place_is_never_served_a_stale_plan():
+    q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1)])
+    paged_attention(q, k_cache, v_cache, table, cu.tolist(), lens.tolist(), 0.25)
+    # Move sequence 0's first block elsewhere: same metadata lists, same table object.
+    used = {int(b) for row, n in zip(table, (lens + 7) // 8, strict=True) for b in row[:n]}
+    old, new = int(table[0, 0]), min(set(range(k_cache.shape[0])) - used)
+    k_cache[new], v_cache[new] = k_cache[old], v_cache[old]
+    k_cache[old], v_cache[old] = float("nan"), float("nan")
+    table[0, 0] = new
+    out = paged_attention(q, k_cache, v_cache, table, cu.tolist(), lens.tolist(), 0.25)
+    torch.testing.assert_close(out.double(), reference(q, kv, cu, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def test_metadata_as_python_lists_matches_tensors():
