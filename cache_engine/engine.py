@@ -89,6 +89,8 @@ class Engine:
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards scheduler + KV manager across threads
+        # Orders submissions against close(): an "add" is never queued behind "close".
+        self._intake = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -147,9 +149,10 @@ class Engine:
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
         context = int(config.get("max_position_embeddings") or 2048)
-        if max_model_len is not None and max_model_len > context:
+        if max_model_len is not None and not 2 <= max_model_len <= context:
             raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model context ({context} tokens)"
+                f"max_model_len must be between 2 and the model context ({context} tokens), "
+                f"got {max_model_len}"
             )
         return cls(
             runner,
@@ -305,10 +308,11 @@ class Engine:
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`."""
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(("close", None))
+        with self._intake:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(("close", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -372,8 +376,11 @@ class Engine:
 
     def _submit(self, request: Request, sink: Sink) -> None:
         request.sink = sink
-        self._ensure_thread()
-        self._inbox.put(("add", request))
+        with self._intake:
+            if self._closed:
+                raise EngineClosedError("the engine is closed; create a new Engine")
+            self._ensure_thread()
+            self._inbox.put(("add", request))
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -395,7 +402,10 @@ class Engine:
                     if command == "close":
                         self._fail_all(EngineClosedError("the engine was closed"))
                         return
-                    self._handle(command, arg)
+                    try:
+                        self._handle(command, arg)
+                    except Exception:  # a bad command must not stop the engine
+                        logger.exception("engine could not handle %s", command)
             except queue.Empty:
                 pass
             if self.scheduler.has_unfinished():
@@ -403,13 +413,17 @@ class Engine:
                     self._step()
                 except Exception as exc:  # keep serving: fail only the requests in flight
                     logger.exception("engine step failed")
-                    self._fail_all(exc)
+                    self._fail_running(exc)
 
     def _handle(self, command: str, arg: Any) -> None:
         with self._lock:
             if command == "add":
+                try:
+                    self.scheduler.add(arg)
+                except RagkvError as exc:
+                    self._deliver(arg, exc)
+                    return
                 self._requests[arg.request_id] = arg
-                self.scheduler.add(arg)
             elif command == "abort":
                 request = self._requests.get(arg)
                 if request is not None:
@@ -514,7 +528,7 @@ class Engine:
         elif request.num_tokens >= self.max_model_len:
             self._finish(request, "length", delta + detok.flush(), [token])
         else:
-            request.sink(StreamDelta(request.request_id, delta, [token]))
+            self._deliver(request, StreamDelta(request.request_id, delta, [token]))
 
     def _finish(self, request: Request, reason: str, delta: str, tokens: list[int]) -> None:
         self.scheduler.finish(request, reason)
@@ -547,7 +561,9 @@ class Engine:
             logits=torch.cat(request.logits) if request.logits else None,
             logits_start=request.logits_start,
         )
-        request.sink(StreamDelta(request.request_id, delta, tokens, output.finish_reason, output))
+        self._deliver(
+            request, StreamDelta(request.request_id, delta, tokens, output.finish_reason, output)
+        )
 
     def _fail_unschedulable(self) -> None:
         # Only reachable if the head request cannot fit even with the pool to itself,
@@ -555,13 +571,38 @@ class Engine:
         request = self.scheduler.waiting[0]
         self.scheduler.finish(request, "abort")
         self._requests.pop(request.request_id, None)
-        request.sink(RequestAbortedError(f"request {request.request_id} could not be scheduled"))
+        self._deliver(
+            request, RequestAbortedError(f"request {request.request_id} could not be scheduled")
+        )
+
+    def _deliver(self, request: Request, event: StreamDelta | BaseException) -> None:
+        """Hand an event to the request's caller; a caller that is gone (its event loop
+        closed, say) gets its request aborted instead of taking the engine down."""
+        try:
+            request.sink(event)
+        except Exception:
+            logger.warning("dropping request %s: its caller is gone", request.request_id)
+            if not request.finished:
+                self.scheduler.finish(request, "abort")
+            self._requests.pop(request.request_id, None)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """After a failed step: fail the requests that hold blocks, forget the cache."""
+        with self._lock:
+            for request in list(self.scheduler.running):
+                self.scheduler.finish(request, "abort")
+                self._requests.pop(request.request_id, None)
+                self._deliver(request, exc)
+            # The failed step registered its full blocks in the prefix cache before their
+            # K/V were written; no request holds a block now, so this forgets all of them
+            # and no later request can hit one.
+            self.kv.reset_prefix_cache()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             for request in list(self._requests.values()):
                 self.scheduler.finish(request, "abort")
-                request.sink(exc)
+                self._deliver(request, exc)
             self._requests.clear()
 
 

@@ -7,6 +7,7 @@ many threads or coroutines can share one pipeline and one engine.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
@@ -167,8 +168,9 @@ class Pipeline:
         cache_salt: str | None = None,
     ) -> Answer:
         """Asyncio form of :meth:`answer`."""
-        prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt
+        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
+        prepared = await asyncio.to_thread(
+            self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         output = await self.engine.agenerate(
             prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
@@ -186,8 +188,8 @@ class Pipeline:
         cache_salt: str | None = None,
     ) -> AsyncIterator[AnswerDelta]:
         """Asyncio form of :meth:`stream`."""
-        prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt
+        prepared = await asyncio.to_thread(
+            self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         async for delta in self.engine.astream(
             prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt

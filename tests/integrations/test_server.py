@@ -283,3 +283,30 @@ def test_request_timeout_aborts_with_504_and_frees_blocks(
     assert sse_payloads(stream.text)[-1]["error"]["code"] == "timeout"
     wait_until_idle(serve_engine, baseline.num_free_blocks)
     assert_aborted_early(baseline, serve_engine.stats(), requests=2)
+
+
+def test_chat_without_max_tokens_fits_a_pool_smaller_than_the_context(
+    serve_model_dir, start_server, api_key
+):
+    """OpenAI clients omit max_tokens; the default must respect the KV pool, not only the
+    context, or every such request is refused."""
+    import httpx
+
+    from ragkv.cache_engine import Engine
+
+    with Engine.from_pretrained(
+        serve_model_dir, device="cpu", kv_cache_tokens=256, max_model_len=1024
+    ) as small:
+        url = start_server(engine=small)
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": small.model_name,
+                "messages": [{"role": "user", "content": "hello"}],
+                "temperature": 0,
+            },
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=60,
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
