@@ -2,9 +2,10 @@
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``, which
 registers the parser and sets ``func(args) -> int``. Modules import their heavy
-dependencies (torch, transformers, fastapi) inside ``func``, so ``ragkv --help`` stays fast. ``serve`` is the one place
-the core reaches into ``integrations/`` (lazily, at run time): the HTTP server needs the
-``server`` extra.
+dependencies (torch, transformers, fastapi) inside ``func``, so ``ragkv --help`` stays fast.
+``serve`` is the one place the core reaches into ``integrations/``: its parser module
+(``ragkv.integrations.server_cli``) imports no framework at module level, and the HTTP
+server, which needs the ``server`` extra, is imported only when the command runs.
 """
 
 from __future__ import annotations
