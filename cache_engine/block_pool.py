@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from operator import eq
 
 
@@ -53,9 +54,10 @@ class BlockPool:
         if not self.enable_caching:
             return []
         hits = list(map(self.cached.get, hashes))
-        if None in hits:
-            del hits[hits.index(None) :]
-        stored = list(map(self.hash_input.__getitem__, hits))
+        with suppress(ValueError):  # no miss: every block hit
+            del hits[hits.index(None) :]  # one scan (`None in hits` first would be a second)
+        hash_input = self.hash_input
+        stored = [hash_input[block_id] for block_id in hits]
         if stored != inputs[: len(hits)]:
             self.num_collisions += 1
             del hits[list(map(eq, stored, inputs)).index(False) :]
