@@ -14,6 +14,7 @@ Triton kernel and torch reference side by side; :func:`paged_attention` dispatch
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ except ImportError:  # CPU-only install: the torch reference needs no triton
     triton = None
 
 IntSeq = torch.Tensor | Sequence[int]
+_MAX_RUNS = 8  # per prefill; more runs are gathered (see _split)
 
 
 def paged_attention(
@@ -100,14 +102,50 @@ def paged_attention_torch(
     out = torch.empty_like(q)
     if plan.decode is not None:
         _decode_gathered(q, k_cache, v_cache, plan.decode, scale, out)
-    for start, end, blocks, seq_len, mask in plan.seqs:
-        if isinstance(blocks, slice):  # zero-copy: the blocks sit next to each other
-            k, v = k_cache[blocks], v_cache[blocks]
-        else:
-            k, v = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
-        k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
-        out[start:end] = _attend(q[start:end], k, v, scale, mask)
+    for start, end, prefix, tail, mask in plan.seqs:
+        k, v = _read(k_cache, tail), _read(v_cache, tail)
+        if not prefix:
+            out[start:end] = _attend(q[start:end], k, v, scale, mask)
+            continue
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        parts = [_attend_lse(qs, _read(k_cache, r), _read(v_cache, r), scale) for r in prefix]
+        parts.append(_attend_lse(qs, k, v, scale, mask))
+        out[start:end] = _merge(parts)[0].transpose(0, 1)
     return out
+
+
+Segment = tuple[slice | torch.Tensor, int]  # blocks (a range, or ids to gather), tokens used
+
+
+def _read(cache: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """The ``[tokens, H_kv, D]`` K or V of a segment: a view of a block range, else a gather."""
+    blocks, tokens = segment
+    picked = cache[blocks] if isinstance(blocks, slice) else cache.index_select(0, blocks)
+    return picked.flatten(0, 1)[:tokens]
+
+
+def _attend_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[1, H, q_len, D]`` over one key segment: (out ``[1, H, q_len, D]``, logsumexp)."""
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    causal = mask is None and q.shape[2] == k.shape[2] > 1
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=causal, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Softmax over the union of key segments from each segment's (out, logsumexp)."""
+    out, lse = parts[0]
+    dtype, out = out.dtype, out.float()  # in place below: each out is a fresh SDPA result
+    for o, part_lse in parts[1:]:
+        total = torch.logaddexp(lse, part_lse)
+        out.mul_((lse - total).exp_().unsqueeze(-1))
+        out.addcmul_(o, (part_lse - total).exp_().unsqueeze(-1))
+        lse = total
+    return out.to(dtype)
 
 
 def _attend(
@@ -150,8 +188,8 @@ class _Plan:
 
     key: tuple
     table: torch.Tensor  # a private copy, compared on lookup
-    # Per sequence not in ``decode``: (q start, q end, blocks, seq_len, causal mask or None).
-    seqs: list[tuple[int, int, slice | torch.Tensor, int, torch.Tensor | None]]
+    # Per sequence not in ``decode``: (q start, q end, prefix, tail, mask of the tail or None).
+    seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]]
     decode: _DecodeBatch | None
 
 
@@ -210,18 +248,43 @@ def _build_plan(
         start, end = cu[i], cu[i + 1]
         if i in batched or start == end:
             continue
+        q_len, prefix = end - start, []
         if consecutive[i]:
-            blocks = slice(first_block[i], first_block[i] + n_blocks[i])
+            tail = (slice(first_block[i], first_block[i] + n_blocks[i]), seq_len)
         else:
-            blocks = block_table[i, : n_blocks[i]].long()
-        q_len, mask = end - start, None
-        if 1 < q_len < seq_len:
-            if (q_len, seq_len) not in masks:
-                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
-                masks[q_len, seq_len] = _additive(visible.tril(seq_len - q_len), dtype)
-            mask = masks[q_len, seq_len]
-        seqs.append((start, end, blocks, seq_len, mask))
+            prefix, tail = _split(block_table[i, : n_blocks[i]], seq_len, q_len, block_size)
+        tail_len, mask = tail[1], None
+        if 1 < q_len < tail_len:
+            if (q_len, tail_len) not in masks:
+                visible = torch.ones(q_len, tail_len, dtype=torch.bool, device=device)
+                masks[q_len, tail_len] = _additive(visible.tril(tail_len - q_len), dtype)
+            mask = masks[q_len, tail_len]
+        seqs.append((start, end, prefix, tail, mask))
     return _Plan(key, block_table.clone(), seqs, decode)
+
+
+def _split(
+    blocks: torch.Tensor, seq_len: int, q_len: int, block_size: int
+) -> tuple[list[Segment], Segment]:
+    """Split a prefill's keys into a prefix of consecutive block runs read as views, and a
+    tail from the first run that reaches key ``context = seq_len - q_len``.
+
+    Every query sees all keys before ``context`` and key ``context`` itself, so the prefix
+    needs no mask and no row of the tail is fully masked (its logsumexp stays finite). A
+    table of many short runs (more than ``_MAX_RUNS``) is gathered whole instead: one call
+    per run would cost more than the copy.
+    """
+    ids, context = blocks.tolist(), seq_len - q_len
+    starts = [j for j in range(len(ids)) if j == 0 or ids[j] != ids[j - 1] + 1]
+    prefix = []
+    for j, next_j in itertools.pairwise([*starts, len(ids)]):
+        if next_j * block_size > context or len(starts) > _MAX_RUNS:
+            tail = (
+                blocks[j:].long() if len(prefix) + 1 < len(starts) else slice(ids[j], ids[-1] + 1)
+            )
+            return prefix, (tail, seq_len - j * block_size)
+        prefix.append((slice(ids[j], ids[j] + next_j - j), (next_j - j) * block_size))
+    raise AssertionError("unreachable: the last run holds the last query's key")
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

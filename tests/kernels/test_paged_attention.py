@@ -122,9 +122,14 @@ def test_bf16_triton_path_matches_reference():  # pragma: no cover - GPU only
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("run", [1, 2, 3])
 def test_tables_of_several_consecutive_runs_match_reference(backend, run):
-    # prefills with and without a cached prefix, partial and full last blocks, decodes
-    specs = [(40, 40), (37, 9), (33, 1), (24, 1), (8, 1), (29, 2), (17, 1)]
+    # prefills with and without a cached prefix, partial and full last blocks, decodes; on
+    # the torch path a prefix of runs is attended run by run, or gathered past 8 runs (80, 5)
+    specs = [(40, 40), (37, 9), (33, 1), (24, 1), (8, 1), (29, 2), (17, 1), (80, 5)]
     check(specs, backend, run=run, kv_heads=1, group=3)
+
+
+def test_runs_of_a_cached_prefix_in_bf16_match_reference():
+    check([(37, 9), (29, 2), (9, 1)], "torch", run=2, dtype=torch.bfloat16, atol=2e-2)
 
 
 def test_same_step_metadata_reuses_one_plan_across_layers():
