@@ -177,7 +177,6 @@ class _DecodeBatch:
 
     rows: torch.Tensor  # [batch] query rows of the decode sequences
     blocks: torch.Tensor  # [batch * max_blocks] block ids, padding -> the row's first block
-    max_blocks: int
     past_end: torch.Tensor | None  # flat gathered token slots past each sequence's length
     mask: torch.Tensor | None  # additive [batch, 1, 1, max_blocks * block_size]
 
@@ -318,7 +317,7 @@ def _plan_decode(
         past_end = (~visible).flatten().nonzero().flatten()
         mask = _additive(visible.view(len(seqs), 1, 1, padded), dtype)
     rows = torch.tensor([cu[i] for i in seqs], device=device)
-    return _DecodeBatch(rows, table.flatten(), max_blocks, past_end, mask)
+    return _DecodeBatch(rows, table.flatten(), past_end, mask)
 
 
 def _decode_gathered(
