@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class CacheStats:
     """A snapshot of the prefix cache: lookups since start, and the pool right now."""
 
-    queries: int = 0  # get_computed_blocks calls
+    queries: int = 0  # recorded lookups (admissions; probes and rankings are not counted)
     query_tokens: int = 0  # tokens of the looked-up sequences
     hit_tokens: int = 0  # tokens served from cache
     hit_blocks: int = 0

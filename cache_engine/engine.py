@@ -286,7 +286,7 @@ class Engine:
         probe.cache_salt = cache_salt
         with self._lock:
             try:
-                return self.kv.get_computed_blocks(probe)[1]
+                return self.kv.get_computed_blocks(probe, record=False)[1]
             finally:
                 self.kv.free(probe)  # drop the manager's per-request hasher state
 

@@ -76,11 +76,15 @@ class KVCacheManager:
         """Blocks that hold ``num_tokens`` tokens (compare with ``pool.num_blocks`` up front)."""
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[int], int]:
+    def get_computed_blocks(
+        self, request: CacheRequest, *, record: bool = True
+    ) -> tuple[list[int], int]:
         """Longest verified cached prefix: ``(block_ids, num_computed_tokens)``.
 
         At most ``len(token_ids) - 1`` tokens are reused (for a new request, its prompt), so
         the last token is always computed and yields logits. Takes no references.
+        ``record=False`` leaves the query/hit counters alone (probes, ranking, or a lookup
+        whose admission may still fail; see :meth:`record_lookup`).
         """
         if not self.enable_caching:
             return [], 0
@@ -89,13 +93,17 @@ class KVCacheManager:
         _catch_up(hasher, token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
         block_ids = self.pool.find_prefix(hasher.hashes[:max_blocks], hasher.inputs)
-        num_computed = len(block_ids) * self.block_size
+        if record:
+            self.record_lookup(len(token_ids), len(block_ids))
+        return block_ids, len(block_ids) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one prefix lookup of ``num_tokens`` tokens that reused ``num_hit_blocks``."""
         stats = self._stats
         stats.queries += 1
-        stats.query_tokens += len(token_ids)
-        stats.hit_tokens += num_computed
-        stats.hit_blocks += len(block_ids)
-        return block_ids, num_computed
+        stats.query_tokens += num_tokens
+        stats.hit_tokens += num_hit_blocks * self.block_size
+        stats.hit_blocks += num_hit_blocks
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed_blocks: list[int] | None = None

@@ -159,10 +159,12 @@ class Scheduler:
             request = self.waiting[0]
             blocks, num_computed = [], 0
             if self.enable_prefix_caching:
-                blocks, num_computed = self.kv.get_computed_blocks(request)
+                blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv.allocate_slots(request, num_new, blocks) is None:
                 break
+            if self.enable_prefix_caching:  # counted once admitted, not per retry
+                self.kv.record_lookup(request.num_tokens, len(blocks))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -174,7 +176,9 @@ class Scheduler:
 
     def _order_by_cached_prefix(self) -> None:
         def cached(request: Request) -> int:
-            return self.kv.get_computed_blocks(request)[1] if self.enable_prefix_caching else 0
+            if not self.enable_prefix_caching:
+                return 0
+            return self.kv.get_computed_blocks(request, record=False)[1]
 
         ranked = sorted(self.waiting, key=lambda r: (-cached(r), r.arrival_time))
         self.waiting = deque(ranked)

@@ -227,6 +227,8 @@ def test_cached_prefix_length_reports_residency_without_side_effects(engine):
     assert engine.cached_prefix_length(p[:40] + [5] * 10) == 32
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+    cache = stats.extra["cache"]
+    assert (cache.queries, cache.hit_tokens) == (1, 0)  # the one admission; probes not counted
 
 
 def test_closed_engine_refuses_new_requests(llama_dir):
