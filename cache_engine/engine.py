@@ -168,6 +168,11 @@ class Engine:
         )
 
     # -- public API -------------------------------------------------------------------
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV pool holds in all (prompt + output of every request in flight)."""
+        return self.runner.num_blocks * self.block_size
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -85,11 +85,11 @@ class Scheduler:
         total = request.num_prompt_tokens + request.params.max_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
-        return -(-total // self.kv.block_size)
+        return self.kv.blocks_needed(total)
 
     def check_fits(self, request: Request) -> None:
         """Raise if the request could never fit the whole pool, even running alone."""
-        prompt_blocks = -(-request.num_prompt_tokens // self.kv.block_size)
+        prompt_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
         if prompt_blocks > self.kv.pool.num_blocks:
             raise PromptTooLongError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {prompt_blocks} KV blocks "

@@ -218,9 +218,7 @@ async def _generate(
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat default: up to the context (as vLLM does) or the KV pool
         limit = getattr(engine, "max_model_len", len(token_ids) + 16)
-        pool = getattr(getattr(engine, "kv", None), "pool", None)
-        if pool is not None:
-            limit = min(limit, pool.num_blocks * engine.block_size)
+        limit = min(limit, getattr(engine, "kv_cache_tokens", limit))
         max_tokens = max(1, limit - len(token_ids))
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s

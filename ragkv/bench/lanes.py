@@ -135,7 +135,7 @@ def run_lane(
         if bar is not None:
             bar.close()
         stats = engine.stats()
-        kv_tokens = stats.num_blocks * engine.block_size
+        kv_tokens = engine.kv_cache_tokens
     finally:
         engine.close()
     records = [
