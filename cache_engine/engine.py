@@ -8,6 +8,7 @@ per-request sink. All validation happens in the caller's thread, before anything
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -299,7 +300,7 @@ class Engine:
         """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""
         with self._lock:
             cache = self.kv.stats()
-            snapshot = EngineStats(**{f: getattr(self._stats, f) for f in _STAT_FIELDS})
+            snapshot = dataclasses.replace(self._stats)
         snapshot.evictions = cache.evictions
         snapshot.num_free_blocks = cache.num_free_blocks
         snapshot.preemptions = self.scheduler.num_preemptions
@@ -609,20 +610,6 @@ class Engine:
                 self.scheduler.finish(request, "abort")
                 self._deliver(request, exc)
             self._requests.clear()
-
-
-_STAT_FIELDS = (
-    "requests_finished",
-    "prompt_tokens",
-    "prefill_tokens_computed",
-    "prefill_tokens_reused",
-    "decode_tokens",
-    "steps",
-    "step_s",
-    "model_s",
-    "num_blocks",
-    "peak_used_blocks",
-)
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -73,7 +73,7 @@ class StreamDelta:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since the engine started (or since ``reset``); cheap to read."""
+    """Counters since the engine started; cheap to read."""
 
     requests_finished: int = 0
     prompt_tokens: int = 0

@@ -132,8 +132,9 @@ def _top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         vals, ids = probs.topk(c, dim=-1)  # sorted, best first
         vals.masked_fill_(torch.arange(c, device=device) >= top_k.unsqueeze(1), 0.0)
         k_inside = top_k <= c
-        kept_mass = torch.where(k_inside, vals.sum(dim=-1), row_mass)
-        if c == vocab or bool((k_inside | (vals.sum(dim=-1) > top_p * row_mass)).all()):
+        top_mass = vals.sum(dim=-1)
+        kept_mass = torch.where(k_inside, top_mass, row_mass)
+        if c == vocab or bool((k_inside | (top_mass > top_p * row_mass)).all()):
             break
         c = min(vocab, 4 * c)
     # The best token has nothing before it, so it is never cut.

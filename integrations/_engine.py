@@ -16,20 +16,28 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def shared_engine(
-    model: str | None = None, *, device: str = "auto", dtype: str | None = None, **kwargs: Any
+    model: str | None = None, *, device: str = "auto", dtype: str | None = None
 ) -> Engine:
-    """One engine per (model, device, dtype, options) in this process.
+    """One engine per (model, device, dtype) in this process.
 
     A model owns its KV pool; every adapter that names the same model shares that pool (and
     its prefix cache) instead of loading the weights again.
     """
-    key = (model, device, dtype, tuple(sorted(kwargs.items())))
+    key = (model, device, dtype)
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = Engine.from_pretrained(model, device=device, dtype=dtype, **kwargs)
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype)
             _ENGINES[key] = engine
         return engine
+
+
+def engine_for(adapter: Any) -> Engine:
+    """The engine of a framework adapter: its ``engine`` field, else the shared engine of its
+    ``model``/``device``/``dtype`` fields (loaded on first use)."""
+    if adapter.engine is not None:
+        return adapter.engine
+    return shared_engine(adapter.model, device=adapter.device, dtype=adapter.dtype)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

@@ -9,8 +9,8 @@ them (400/422) gets the decoded text instead, from then on. Text prompts are re-
 the server, so block-aligned prefix reuse is then only as good as its tokenization.
 
 Only httpx is needed (a core dependency). One ``httpx.Client`` serves all sync calls and one
-``httpx.AsyncClient`` per event loop serves the async ones, so connections are reused. 429
-and 5xx answers and transport errors are retried with exponential backoff and jitter
+``httpx.AsyncClient`` per event loop serves the async ones, so connections are reused. 408,
+429, 500, 502, 503 and 504 answers and transport errors are retried with exponential backoff and jitter
 (``Retry-After`` honoured); other HTTP errors raise :class:`~ragkv.errors.RemoteEngineError`
 with the ``status_code``.
 """

@@ -13,15 +13,16 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field
 
 from ragkv.cache_engine import Engine, Output, SamplingParams
+from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
 from ragkv.errors import InvalidInputError
 from ragkv.integrations._engine import (
     astream_until,
     chat_prompt_ids,
+    engine_for,
     sampling_params,
-    shared_engine,
     stream_until,
 )
 
@@ -45,7 +46,6 @@ class ChatRagKV(BaseChatModel):
 
     engine: Engine | None = Field(default=None, exclude=True, repr=False)
     model: str | None = None
-    revision: str | None = None
     device: str = "auto"
     dtype: str | None = None
     temperature: float | None = 0.0
@@ -58,7 +58,6 @@ class ChatRagKV(BaseChatModel):
     max_retries: int = 2
     cache_salt: str | None = None
     streaming: bool = False
-    _engine: Engine | None = PrivateAttr(default=None)
 
     @property
     def _llm_type(self) -> str:
@@ -66,26 +65,20 @@ class ChatRagKV(BaseChatModel):
 
     def get_engine(self) -> Engine:
         """The engine this model runs on (loaded on first use when only ``model`` was given)."""
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
-        return self._engine
+        return engine_for(self)
 
     @property
     def model_name(self) -> str:
         """The served model's name (the engine's, once loaded)."""
-        engine = self.engine or self._engine
-        if engine is not None:
-            return engine.model_name
-        return self.model or "SmolLM2-135M-Instruct"
+        if self.engine is not None:
+            return self.engine.model_name
+        return self.model or DEFAULT_MODEL_NAME
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "model_name": self.model_name,
-            "revision": self.revision,
             "dtype": self.dtype,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,

@@ -17,7 +17,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
@@ -25,8 +25,8 @@ from ragkv.cache_engine import Engine, Output, SamplingParams
 from ragkv.integrations._engine import (
     astream_until,
     chat_prompt_ids,
+    engine_for,
     sampling_params,
-    shared_engine,
     stream_until,
 )
 
@@ -54,7 +54,6 @@ class RagKVLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list)
     timeout: float | None = None
     cache_salt: str | None = None
-    _engine: Engine | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -62,11 +61,7 @@ class RagKVLLM(CustomLLM):
 
     def get_engine(self) -> Engine:
         """The engine this LLM runs on (loaded on first use when only ``model`` was given)."""
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
-        return self._engine
+        return engine_for(self)
 
     @property
     def metadata(self) -> LLMMetadata:
