@@ -64,7 +64,10 @@ class Pipeline:
     object with the same ``tokenizer``, ``block_size`` and ``generate``/``stream``/
     ``agenerate``/``astream`` surface (e.g. :class:`ragkv.integrations.openai.RemoteEngine`).
 
-    ``dedup=False`` skips the dedup stage (the assembler then sees duplicates as retrieved).
+    ``dedup=False`` skips the dedup stage (the prompt then carries duplicates as retrieved).
+    Collapsing duplicates is the dedup stage's job (it honours the deduplicator's ``key``),
+    so the default assembler keeps whatever chunks it is given. ``registry`` is shared with
+    the assembler (a given ``assembler`` brings its own).
     """
 
     def __init__(
@@ -80,11 +83,15 @@ class Pipeline:
         default_params: SamplingParams | None = None,
     ) -> None:
         self.engine = engine
-        self.registry = registry or (assembler.registry if assembler else ChunkRegistry())
         self.deduplicator = deduplicator or Deduplicator()
         self.assembler = assembler or Assembler(
-            engine.tokenizer, block_size=engine.block_size, order=order, registry=self.registry
+            engine.tokenizer,
+            block_size=engine.block_size,
+            order=order,
+            registry=registry,
+            collapse_duplicates=False,
         )
+        self.registry = self.assembler.registry
         self.dedup_enabled = dedup
         self.max_prompt_tokens = max_prompt_tokens
         self.default_params = default_params or SamplingParams(max_tokens=256)

@@ -91,23 +91,20 @@ class LaneResult:
 
 
 def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
-    """The lane's pipeline: the assembler keeps duplicates unless the lane deduplicates."""
+    """The lane's pipeline; only the dedup stage removes duplicates (lanes without it keep them)."""
     from ragkv.assembler import Assembler
-    from ragkv.dedup import ChunkRegistry
     from ragkv.pipeline import Pipeline
 
-    registry = ChunkRegistry()
     assembler = Assembler(
         engine.tokenizer,
         block_size=engine.block_size,
         order=spec.order,
-        registry=registry,
         demote_invalidators=spec.demote_invalidators,
         # Baselines model an app without ragkv's assembler: no invalidator warning either.
         invalidator_after=3 if spec.demote_invalidators else 1 << 30,
-        collapse_duplicates=spec.dedup,
+        collapse_duplicates=False,
     )
-    return Pipeline(engine, assembler=assembler, registry=registry, dedup=spec.dedup)
+    return Pipeline(engine, assembler=assembler, dedup=spec.dedup)
 
 
 def run_lane(

@@ -55,6 +55,7 @@ def test_without_dedup_duplicates_reach_the_assembler(engine, passages):
     pipe = ragkv.Pipeline(engine, dedup=False)
     prepared = pipe.prepare("Q?", [passages[2], passages[2]], system=SYSTEM)
     assert prepared.dedup.stats.chunks_out == 2
+    assert len(prepared.plan.spans("chunk")) == 2
 
 
 def test_stream_and_async_give_the_same_answer(engine, passages):
@@ -83,3 +84,21 @@ def test_cache_salt_isolates_tenants(engine, passages):
     pipe.answer("Q1?", passages[3:5], system=SYSTEM, params=PARAMS, cache_salt="tenant-1")
     other = pipe.answer("Q1?", passages[3:5], system=SYSTEM, params=PARAMS, cache_salt="tenant-2")
     assert other.usage.cached_tokens == 0
+
+
+def test_the_callers_registry_is_shared_with_the_assembler(engine):
+    from ragkv.dedup import ChunkRegistry
+
+    registry = ChunkRegistry()  # empty, hence falsy: it must still be used
+    pipe = ragkv.Pipeline(engine, registry=registry)
+    assert pipe.registry is registry and pipe.assembler.registry is registry
+
+
+def test_the_deduplicators_key_is_not_undone_by_the_assembler(engine, passages):
+    from ragkv.dedup import Deduplicator
+
+    pipe = ragkv.Pipeline(engine, deduplicator=Deduplicator(key="source_id"))
+    same_text = [Chunk(passages[0], source_id="a"), Chunk(passages[0], source_id="b")]
+    prepared = pipe.prepare("Q?", same_text, system=SYSTEM)
+    assert prepared.dedup.stats.chunks_out == 2
+    assert len(prepared.plan.spans("chunk")) == 2
