@@ -53,7 +53,3 @@ class InvalidatorDetector:
                 streak,
             )
         return flagged
-
-    def is_flagged(self, slot: str) -> bool:
-        """Whether ``slot`` is currently flagged."""
-        return self._streaks.get(slot, 0) >= self.after

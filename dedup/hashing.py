@@ -15,7 +15,6 @@ from blake3 import blake3
 from ragkv.errors import ConfigError, InvalidInputError
 
 HASH_ALGOS: tuple[str, ...] = ("blake3", "xxh3_128")
-DIGEST_SIZES: dict[str, int] = {"blake3": 32, "xxh3_128": 16}
 
 
 def _blake3_digest(data: bytes) -> bytes:
