@@ -12,7 +12,6 @@ from typing import Any
 from ragkv.bench.lanes import LANES, LaneResult, LaneSpec, lane_specs, run_lane
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
-from ragkv.dedup import Deduplicator
 from ragkv.errors import PromptTooLongError
 
 logger = logging.getLogger(__name__)
@@ -70,30 +69,25 @@ def default_kv_tokens(
     keeps the pool able to run the biggest no-cache request next to another one, so the
     baselines are not starved into preemption by a tiny pool.
     """
-    from ragkv.bench.lanes import lane_specs
+    from types import SimpleNamespace
+
+    from ragkv.bench.lanes import build_pipeline, lane_specs
+    from ragkv.cache_engine import block_hashes
 
     spec = lane_specs(["ragkv"], order)[0]
-    assembler = _assembler(spec, tokenizer, block_size)
-    deduplicator = Deduplicator()
+    # The lane's own pipeline, without a model: only prepare() is used.
+    pipeline = build_pipeline(spec, SimpleNamespace(tokenizer=tokenizer, block_size=block_size))
     filler = " ".join(["answer"] * max_tokens)
     turns: dict[str, list[dict[str, str]]] = defaultdict(list)
-    blocks: set[int] = set()
+    blocks: set[bytes] = set()
     largest = 0
     for r in workload.requests:
         history = r.history if r.history is not None else turns[r.session_id]
-        plan = assembler.assemble(
-            system=r.system,
-            chunks=deduplicator.dedupe(r.chunks).chunks,
-            question=r.question,
-            history=history,
-        )
-        ids = plan.token_ids
-        chained = 0
-        for start in range(0, len(ids) - block_size + 1, block_size):
-            chained = hash((chained, tuple(ids[start : start + block_size])))
-            blocks.add(chained)
+        prepared = pipeline.prepare(r.question, r.chunks, system=r.system, history=history)
+        ids = prepared.plan.token_ids
+        blocks.update(block_hashes(ids, block_size))
         removed = sum(len(c.text) for c in r.chunks) - sum(
-            len(c.text) for c in deduplicator.dedupe(r.chunks).chunks
+            len(c.text) for c in prepared.dedup.chunks
         )
         # Duplicates the baselines also send: ~4 characters per token is plenty here.
         largest = max(largest, len(ids) + removed // 3 + max_tokens)
@@ -103,12 +97,6 @@ def default_kv_tokens(
         ]
     tokens = max(int(len(blocks) * block_size * share), 2 * largest)
     return -(-tokens // block_size) * block_size
-
-
-def _assembler(spec: LaneSpec, tokenizer: Any, block_size: int) -> Any:
-    from ragkv.assembler import Assembler
-
-    return Assembler(tokenizer, block_size=block_size, order=spec.order)
 
 
 def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], list[LaneResult]]:
