@@ -15,6 +15,7 @@ Triton kernel and torch reference side by side; :func:`paged_attention` dispatch
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -196,8 +197,9 @@ class _Plan:
 # plan spares every layer but the first the run detection, index tensors and causal masks
 # (a [q_len, kv_len] mask rebuilt per layer cost more than the gathers it serves). The key
 # is the metadata's *content*, so a caller that edits a table in place never gets a stale
-# plan; one entry bounds the memory to one step's masks.
-_last_plan: _Plan | None = None
+# plan; one entry per thread bounds the memory to one step's masks, and engines stepping
+# in different threads do not evict each other's plan.
+_last_plan = threading.local()
 
 
 def _plan(
@@ -207,7 +209,6 @@ def _plan(
     block_size: int,
     dtype: torch.dtype,
 ) -> _Plan:
-    global _last_plan
     cu, lens = _to_list(cu_seqlens_q), _to_list(seq_lens)
     key = (
         tuple(cu),
@@ -218,10 +219,10 @@ def _plan(
         block_table.device,
         block_table.shape,
     )
-    plan = _last_plan
+    plan = getattr(_last_plan, "plan", None)
     if plan is not None and plan.key == key and torch.equal(plan.table, block_table):
         return plan
-    _last_plan = plan = _build_plan(key, block_table, cu, lens, block_size, dtype)
+    _last_plan.plan = plan = _build_plan(key, block_table, cu, lens, block_size, dtype)
     return plan
 
 

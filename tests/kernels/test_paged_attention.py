@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -136,10 +137,20 @@ def test_same_step_metadata_reuses_one_plan_across_layers():
     q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1)])
     cu_list, lens_list = cu.tolist(), lens.tolist()
     out = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
-    plan = pa._last_plan
+    plan = pa._last_plan.plan
     again = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
-    assert pa._last_plan is plan
+    assert pa._last_plan.plan is plan
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+    # Another thread (another engine's stepping thread) keeps its own plan.
+    other = make_batch([(9, 9)])
+    worker = threading.Thread(
+        target=paged_attention,
+        args=(*other[:4], other[4].tolist(), other[5].tolist(), 0.25),
+        kwargs={"backend": "torch"},
+    )
+    worker.start()
+    worker.join()
+    assert pa._last_plan.plan is plan
 
 
 def test_table_edited_in_place_is_never_served_a_stale_plan():
