@@ -40,12 +40,11 @@ from ragkv.errors import (
 )
 from ragkv.integrations import openai_protocol as proto
 from ragkv.integrations.openai_protocol import APIError, GenerationRequest
+from ragkv.integrations.server_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
 from ragkv.integrations.server_metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
 _OPEN_ROUTES = frozenset({"/health"})
 
 

@@ -16,6 +16,9 @@ from ragkv.errors import MissingDependencyError
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGKV_API_KEY"
+# Defaults of create_app too; kept here because this module must import no framework.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,8 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument(
+        "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
+    )
     parser.set_defaults(func=run)
     return parser
 
