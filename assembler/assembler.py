@@ -107,6 +107,17 @@ class Assembler:
         self.collapse_duplicates = collapse_duplicates
         self._misses = 0  # registry misses (tokenizer calls) of the current request
         self._lock = threading.Lock()
+        self._settings = {
+            "block_size": block_size,
+            "order": order,
+            "chat_template": chat_template,
+            "layout": layout,
+            "demote_invalidators": demote_invalidators,
+            "invalidator_after": invalidator_after,
+            "tree_max_nodes": tree_max_nodes,
+            "measure_seams": measure_seams,
+            "collapse_duplicates": collapse_duplicates,
+        }
 
     # -- public ---------------------------------------------------------------------------
 
@@ -141,6 +152,26 @@ class Assembler:
             return self._assemble(
                 system, chunks, question, history, few_shot, max_prompt_tokens, residency, overrides
             )
+
+    def fork(self) -> Assembler:
+        """A new assembler with this one's settings, tokenizer and registry (token ids are a
+        pure function of the text) but none of its learned state: stability, invalidator
+        streaks and the prefix tree start empty. One fork per tenant keeps one tenant's
+        traffic from reordering, or revealing, another's prompts."""
+        stability = self.tracker
+        tracker = StabilityTracker(
+            stability.promote_after,
+            stability.window,
+            stability.demote_after,
+            stability.max_tracked,
+        )
+        return Assembler(
+            self.tokenizer.tokenizer,
+            registry=self.registry,
+            residency=self.residency,
+            stability=tracker,
+            **self._settings,
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens kept)."""

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 
 class RagkvError(Exception):
-    """Base class of every error raised by ragkv."""
+    """Base class of every error raised by ragkv.
+
+    ``param`` names the offending argument or request field when there is one (``"seed"``,
+    ``"cache_salt"``, ``"stop"``), so a server can report it without parsing the message.
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidInputError(RagkvError, ValueError):
@@ -53,8 +61,10 @@ class RequestAbortedError(RagkvError):
 class RemoteEngineError(RagkvError):
     """An OpenAI-compatible server answered with an error or could not be reached."""
 
-    def __init__(self, message: str, *, status_code: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, status_code: int | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
         self.status_code = status_code
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from ragkv.assembler import Assembler, PromptPlan
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
+from ragkv.errors import ConfigError
 
 ChunkLike = str | bytes | Chunk
 Turn = Mapping[str, str]
@@ -68,6 +71,12 @@ class Pipeline:
     Collapsing duplicates is the dedup stage's job (it honours the deduplicator's ``key``),
     so the default assembler keeps whatever chunks it is given. ``registry`` is shared with
     the assembler (a given ``assembler`` brings its own).
+
+    ``isolate_by_salt=True`` gives every ``cache_salt`` its own assembler state (a
+    :meth:`~ragkv.assembler.Assembler.fork`: chunk stability, learned system-prompt heads,
+    prefix tree), so one tenant's traffic never reorders, or reveals, another's prompts; at
+    most ``max_namespaces`` salts are remembered (least recently used forgotten). Requests
+    without a salt share the base assembler.
     """
 
     def __init__(
@@ -81,7 +90,11 @@ class Pipeline:
         dedup: bool = True,
         max_prompt_tokens: int | None = None,
         default_params: SamplingParams | None = None,
+        isolate_by_salt: bool = False,
+        max_namespaces: int = 1024,
     ) -> None:
+        if max_namespaces < 1:
+            raise ConfigError(f"max_namespaces must be >= 1, got {max_namespaces}.")
         self.engine = engine
         self.deduplicator = deduplicator or Deduplicator()
         self.assembler = assembler or Assembler(
@@ -95,6 +108,24 @@ class Pipeline:
         self.dedup_enabled = dedup
         self.max_prompt_tokens = max_prompt_tokens
         self.default_params = default_params or SamplingParams(max_tokens=256)
+        self.isolate_by_salt = isolate_by_salt
+        self.max_namespaces = max_namespaces
+        self._namespaces: OrderedDict[str, Assembler] = OrderedDict()
+        self._namespaces_lock = threading.Lock()
+
+    def assembler_for(self, cache_salt: str | None) -> Assembler:
+        """The assembler whose learned state serves requests with ``cache_salt``."""
+        if not self.isolate_by_salt or cache_salt is None:
+            return self.assembler
+        with self._namespaces_lock:
+            assembler = self._namespaces.get(cache_salt)
+            if assembler is None:
+                assembler = self._namespaces[cache_salt] = self.assembler.fork()
+                if len(self._namespaces) > self.max_namespaces:
+                    self._namespaces.popitem(last=False)
+            else:
+                self._namespaces.move_to_end(cache_salt)
+            return assembler
 
     def prepare(
         self,
@@ -116,7 +147,7 @@ class Pipeline:
         residency = getattr(self.engine, "cached_prefix_length", None)
         if residency is not None:
             residency = functools.partial(residency, cache_salt=cache_salt)
-        plan = self.assembler.assemble(
+        plan = self.assembler_for(cache_salt).assemble(
             system=system,
             chunks=result.chunks,
             question=question,

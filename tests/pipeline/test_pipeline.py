@@ -102,3 +102,31 @@ def test_the_deduplicators_key_is_not_undone_by_the_assembler(engine, passages):
     prepared = pipe.prepare("Q?", same_text, system=SYSTEM)
     assert prepared.dedup.stats.chunks_out == 2
     assert len(prepared.plan.spans("chunk")) == 2
+
+
+def test_isolated_salts_learn_chunk_order_separately(engine, passages):
+    """With isolate_by_salt, tenant A's traffic never changes the order tenant B is sent."""
+    shared = ragkv.Pipeline(engine)
+    isolated = ragkv.Pipeline(engine, isolate_by_salt=True)
+    for pipe in (shared, isolated):
+        for other in (0, 1, 5, 0):  # tenant a makes passages[2] stable (hot) in its state
+            pipe.prepare("q?", [passages[2], passages[3], passages[other]], cache_salt="a")
+    order_b = {}
+    for name, pipe in (("shared", shared), ("isolated", isolated)):
+        plan = pipe.prepare("q?", [passages[4], passages[2]], cache_salt="b").plan
+        order_b[name] = [s.index for s in plan.spans("chunk")]
+    # New chunks go by content hash (passages[4] sorts first); a stable one goes first.
+    fresh = ragkv.Pipeline(engine).prepare("q?", [passages[4], passages[2]]).plan
+    assert [s.index for s in fresh.spans("chunk")] == [0, 1]
+    assert order_b["shared"] == [1, 0]  # tenant a's traffic reordered tenant b's prompt
+    assert order_b["isolated"] == [0, 1]
+    assert isolated.assembler_for("a") is not isolated.assembler_for("b")
+    assert isolated.assembler_for(None) is isolated.assembler
+
+
+def test_isolated_namespaces_are_bounded(engine, passages):
+    pipe = ragkv.Pipeline(engine, isolate_by_salt=True, max_namespaces=2)
+    first = pipe.assembler_for("a")
+    pipe.assembler_for("b")
+    pipe.assembler_for("c")
+    assert pipe.assembler_for("a") is not first  # "a" was forgotten, a fresh fork serves it
