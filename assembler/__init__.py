@@ -8,9 +8,12 @@ requests share long prefixes in the engine's prefix cache.
 Quality trade-off: reordering chunks discards the retriever's relevance order, which a
 model may use. ``order="retrieval"`` restores it (and shares little prefix).
 
-Tip: keep per-request values (dates, request ids, user names) out of the system prompt, or
-after the stable content. The assembler detects such "silent invalidators" and, with
-``demote_invalidators=True`` (the default), moves them after the chunks.
+Per-request values (dates, request ids, user names) inside a "static" system prompt are
+"silent invalidators". Mark them (``system=["stable", Volatile("Today is …")]`` or
+``SystemPrompt(template, **values)``), or let the assembler learn them: with
+``demote_invalidators=True`` (the default) it keeps the stable head and tail of such a slot
+in front and moves only the changing part after the chunks. Each request is also compared
+with the application's own order, and the plan with the longer cached prefix is sent.
 """
 
 from ragkv.assembler.assembler import Assembler, Residency
@@ -18,7 +21,10 @@ from ragkv.assembler.ordering import ORDERS
 from ragkv.assembler.plan import AssemblyStats, DroppedChunk, PromptPlan, SegmentSpan
 from ragkv.assembler.prefix_tree import ChunkPrefixTree
 from ragkv.assembler.segments import SegmentKind, Stability
+from ragkv.assembler.sent import SentPrefixes
+from ragkv.assembler.slots import SlotLearner, SlotSplit
 from ragkv.assembler.stability import StabilityTracker
+from ragkv.assembler.structured import SystemPrompt, Volatile
 from ragkv.assembler.template import Layout
 
 __all__ = [
@@ -32,6 +38,11 @@ __all__ = [
     "Residency",
     "SegmentKind",
     "SegmentSpan",
+    "SentPrefixes",
+    "SlotLearner",
+    "SlotSplit",
     "Stability",
     "StabilityTracker",
+    "SystemPrompt",
+    "Volatile",
 ]

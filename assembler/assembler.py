@@ -4,24 +4,36 @@ Every segment is tokenized once (chunks and static segments through the
 :class:`~ragkv.dedup.ChunkRegistry`, keyed by content hash) and the prompt is the
 concatenation of segment token ids with fixed separator token ids, so a chunk produces the
 same token ids whatever surrounds it. Where the segments go is described in
-:mod:`ragkv.assembler.template`; in which order chunks go, in :mod:`ragkv.assembler.ordering`.
+:mod:`ragkv.assembler.template`; in which order chunks go, in :mod:`ragkv.assembler.ordering`;
+which parts of a "static" system prompt stay in front, in :mod:`ragkv.assembler.slots` and
+:mod:`ragkv.assembler.structured`.
+
+**Never worse than as-given.** Every request is also assembled in the order the application
+gave (system prompt whole and first, chunks in retrieval order); the two plans are compared
+by the cached prefix each would get (engine residency when a callback is given, else the
+assembler's own record of what it sent, :mod:`ragkv.assembler.sent`) and the better one is
+sent. Ties and near-ties (within one block) go to the canonical plan: the first request of a
+new canonical layout cannot find it cached yet, and it is the one later requests share. ``plan.stats.chosen`` and ``choice_reason`` say
+which and why.
 
 Because tokenization is not compositional, ``token_ids`` can differ from tokenizing the
 rendered ``text`` in one go at segment seams (typically whitespace runs split differently).
 Decoding ``token_ids`` still gives back ``text`` exactly for byte-level BPE tokenizers
 (GPT-2 style, SmolLM2, Llama 3, Qwen); ``measure_seams=True`` reports the difference.
+
+Concurrency: tokenization (the expensive part, O(text)) runs outside any lock shared by
+requests; only the learning and ordering step (O(chunks + system tokens)) is serialized.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
 
 from ragkv.assembler.budget import fit_budget
-from ragkv.assembler.invalidators import InvalidatorDetector
 from ragkv.assembler.ordering import (
     cache_aware_order,
     canonical_order,
@@ -37,7 +49,10 @@ from ragkv.assembler.segments import (
     Stability,
     parse_overrides,
 )
+from ragkv.assembler.sent import SentPrefixes
+from ragkv.assembler.slots import SlotLearner
 from ragkv.assembler.stability import StabilityTracker
+from ragkv.assembler.structured import SystemLike, Volatile, system_parts
 from ragkv.assembler.template import Layout, Piece, PromptTemplate
 from ragkv.assembler.tokenization import TextTokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
@@ -48,17 +63,34 @@ Residency = Callable[[Sequence[int]], int]
 (``engine.cached_prefix_length``)."""
 
 Turn = Mapping[str, str] | tuple[str, str]
+Group = list[Segment]  # segments concatenated directly (the parts of one slot)
 
 
 @dataclass(slots=True)
 class _Request:
-    """One request's segments, grouped by region of the layout."""
+    """One request's segments, grouped by region of the layout.
 
-    head: list[Segment]  # static items before the chunks
+    ``head`` and ``tail`` are items of the system message before and after the chunks; an
+    item is a group of segments written back to back (a split slot's stable parts).
+    """
+
+    head: list[Group]
     chunks: list[Segment]
-    tail: list[Segment]  # demoted / volatile system items after the chunks
+    tail: list[Group]
     turns: list[Segment]
     question: Segment
+
+
+@dataclass(slots=True)
+class _Tokenized:
+    """A request's segments after tokenization (done outside the assembler's lock)."""
+
+    statics: list[Segment]  # system parts and few-shot examples, in the caller's order
+    chunks: list[Segment]
+    turns: list[Segment]
+    question: Segment
+    stats: AssemblyStats
+    moved: list[str] = field(default_factory=list)
 
 
 class Assembler:
@@ -67,9 +99,13 @@ class Assembler:
     ``order`` is ``"stable-first"`` (default), ``"cache-aware"`` or ``"retrieval"`` (see
     :mod:`ragkv.assembler.ordering`). ``registry`` is shared with the dedup stage if given.
     ``residency`` is the engine's cached-prefix callback; with it, plans report
-    ``expected_cached_tokens`` and the cache-aware order checks which candidate order the
-    engine has cached more of. ``demote_invalidators`` moves a "static" segment that
-    changes on every request (a timestamp in the system prompt) after the chunks.
+    ``expected_cached_tokens`` and candidate orders are compared by what the engine holds.
+    ``demote_invalidators`` keeps the stable head and tail of a "static" slot that changes
+    on every request in place and moves only its changing part after the chunks
+    (:mod:`ragkv.assembler.slots`); ``invalidator_after`` novel versions in a row mark a
+    slot as changing. ``never_worse=False`` skips the comparison with the as-given order;
+    the as-given plan must win by more than ``never_worse_slack`` tokens (default: one
+    block), because near-ties go to the canonical plan, the one later requests can share.
     ``collapse_duplicates=False`` keeps byte-identical chunks as retrieved (what an
     application without a dedup stage sends; the benchmark's baseline lanes need it).
     """
@@ -90,6 +126,9 @@ class Assembler:
         tree_max_nodes: int = 16_384,
         measure_seams: bool = False,
         collapse_duplicates: bool = True,
+        never_worse: bool = True,
+        never_worse_slack: int | None = None,
+        sent_max_blocks: int = 65_536,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}.")
@@ -101,11 +140,13 @@ class Assembler:
         self.template = PromptTemplate(self.tokenizer, layout, chat_template)
         self.demote_invalidators = demote_invalidators
         self.tracker = stability if stability is not None else StabilityTracker()
-        self.detector = InvalidatorDetector(self.registry, invalidator_after)
+        self.slots = SlotLearner(block_size, after=invalidator_after)
         self.tree = ChunkPrefixTree(tree_max_nodes)
+        self.sent = SentPrefixes(block_size, sent_max_blocks)
         self.measure_seams = measure_seams
         self.collapse_duplicates = collapse_duplicates
-        self._misses = 0  # registry misses (tokenizer calls) of the current request
+        self.never_worse = never_worse
+        self.never_worse_slack = block_size if never_worse_slack is None else never_worse_slack
         self._lock = threading.Lock()
         self._settings = {
             "block_size": block_size,
@@ -117,6 +158,9 @@ class Assembler:
             "tree_max_nodes": tree_max_nodes,
             "measure_seams": measure_seams,
             "collapse_duplicates": collapse_duplicates,
+            "never_worse": never_worse,
+            "never_worse_slack": never_worse_slack,
+            "sent_max_blocks": sent_max_blocks,
         }
 
     # -- public ---------------------------------------------------------------------------
@@ -124,7 +168,7 @@ class Assembler:
     def assemble(
         self,
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         chunks: Iterable[str | bytes | Chunk] = (),
         question: str,
         history: Sequence[Turn] | None = None,
@@ -135,41 +179,43 @@ class Assembler:
     ) -> PromptPlan:
         """Assemble one prompt.
 
-        ``chunks`` are whatever :meth:`ragkv.dedup.Chunk.coerce` accepts, in retrieval
-        order; byte-identical chunks are collapsed to the first (unless the assembler was
-        built with ``collapse_duplicates=False``). ``history`` is a list of
-        ``{"role", "content"}`` turns before the question. ``stability`` overrides the
-        class of ``"system"``, ``"few_shot"`` or ``"chunk"`` segments. Chunks over
+        ``system`` is a string, a list of ``str`` / :class:`Volatile` parts or a
+        :class:`SystemPrompt` (see :mod:`ragkv.assembler.structured`). ``chunks`` are
+        whatever :meth:`ragkv.dedup.Chunk.coerce` accepts, in retrieval order;
+        byte-identical chunks are collapsed to the first (unless the assembler was built
+        with ``collapse_duplicates=False``). ``history`` is a list of ``{"role",
+        "content"}`` turns before the question. ``stability`` overrides the class of
+        ``"system"``, ``"few_shot"`` or ``"chunk"`` segments. Chunks over
         ``max_prompt_tokens`` are dropped whole (see :mod:`ragkv.assembler.budget`).
         """
         if not isinstance(question, str):
-            raise InvalidInputError(f"question must be str, got {type(question).__name__}.")
+            raise InvalidInputError(
+                f"question must be str, got {type(question).__name__}.", param="question"
+            )
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise InvalidInputError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
+            raise InvalidInputError(
+                f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}.",
+                param="max_prompt_tokens",
+            )
         overrides = parse_overrides(dict(stability) if stability else None)
         residency = residency if residency is not None else self.residency
+        tokenized = self._tokenize(system, chunks, question, history, few_shot, overrides)
         with self._lock:
-            return self._assemble(
-                system, chunks, question, history, few_shot, max_prompt_tokens, residency, overrides
-            )
+            return self._plan(tokenized, max_prompt_tokens, residency, overrides)
 
     def fork(self) -> Assembler:
         """A new assembler with this one's settings, tokenizer and registry (token ids are a
-        pure function of the text) but none of its learned state: stability, invalidator
-        streaks and the prefix tree start empty. One fork per tenant keeps one tenant's
-        traffic from reordering, or revealing, another's prompts."""
-        stability = self.tracker
-        tracker = StabilityTracker(
-            stability.promote_after,
-            stability.window,
-            stability.demote_after,
-            stability.max_tracked,
-        )
+        pure function of the text) but none of its learned state: stability, learned
+        system-prompt heads, the prefix tree and the sent record start empty. One fork per
+        tenant keeps one tenant's traffic from reordering, or revealing, another's prompts."""
+        tracker = self.tracker
         return Assembler(
             self.tokenizer.tokenizer,
             registry=self.registry,
             residency=self.residency,
-            stability=tracker,
+            stability=StabilityTracker(
+                tracker.promote_after, tracker.window, tracker.demote_after, tracker.max_tracked
+            ),
             **self._settings,
         )
 
@@ -177,79 +223,80 @@ class Assembler:
         """The text of ``token_ids`` (special tokens kept)."""
         return self.tokenizer.decode(token_ids)
 
-    # -- steps ----------------------------------------------------------------------------
+    # -- tokenization (no shared lock) -----------------------------------------------------
 
-    def _assemble(
+    def _tokenize(
         self,
-        system: str | None,
+        system: SystemLike | None,
         raw_chunks: Iterable[str | bytes | Chunk],
         question: str,
         history: Sequence[Turn] | None,
         few_shot: Sequence[str] | None,
-        max_prompt_tokens: int | None,
-        residency: Residency | None,
         overrides: dict[SegmentKind, Stability],
-    ) -> PromptPlan:
+    ) -> _Tokenized:
         stats = AssemblyStats(order=self.order)
         statics = self._static_segments(system, few_shot, overrides)
         chunks = self._chunk_segments(raw_chunks, stats)
-        self.registry.observe([s.key for s in statics] + [s.key for s in chunks])
-        head, tail = self._place_statics(statics, stats)
-        self._tokenize(head, tail, chunks, stats)
-        ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats)
-        request = _Request(head, chunks, tail, self._turns(history), self._volatile(question))
-        frame = self.template.frame(tuple(turn.role or "" for turn in request.turns))
+        registry, key = self.registry, self.tokenizer.key
+        misses = 0
 
-        dropped: list[Segment] = []
-        if max_prompt_tokens is not None:
-            request.chunks, dropped = fit_budget(
-                chunks, max_prompt_tokens, lambda kept: self._length(request, frame, kept)
-            )
-        head_key = content_hash(b"".join(s.key for s in head))
-        candidates = self._orders(request.chunks, ranks, head_key, stats)
-        plans = [self._build(request, frame, order, stats) for order in candidates]
-        plan = plans[0]
-        if residency is not None:
-            cached = [residency(p.token_ids) for p in plans]
-            best = max(range(len(plans)), key=cached.__getitem__)
-            plan, plan.expected_cached_tokens = plans[best], cached[best]
-            candidates = candidates[best : best + 1]
-        if self.order == "cache-aware":
-            self.tree.insert(head_key, [s.key for s in candidates[0]])
-        plan.dropped = [
-            DroppedChunk(s.chunk, s.rank, len(s.token_ids), s.stability)  # type: ignore[arg-type]
-            for s in dropped
-        ]
-        stats.num_dropped = len(dropped)
-        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(request.chunks)
-        volatile = [s.start for s in plan.segments if s.stability is Stability.VOLATILE]
-        stats.stable_prefix_tokens = volatile[0] if volatile else len(plan.token_ids)
-        if self.measure_seams:
-            self._measure_seams(plan)
-        return plan
+        def encode(text: str) -> list[int]:
+            nonlocal misses
+            misses += 1
+            return self.tokenizer.encode(text)
+
+        for segment in statics:
+            if segment.chunk is None:  # a volatile part: not worth a registry entry
+                segment.token_ids = self.tokenizer.encode(segment.text)
+            else:
+                segment.token_ids = registry.token_ids(segment.chunk, key, self.tokenizer.encode)
+        for segment in chunks:
+            segment.text = segment.chunk.text  # type: ignore[union-attr]
+            segment.token_ids = registry.token_ids(segment.chunk, key, encode)  # type: ignore[arg-type]
+        stats.chunks_tokenized, stats.chunks_reused = misses, len(chunks) - misses
+        registry.observe([s.key for s in statics if s.chunk is not None] + [s.key for s in chunks])
+        turns = self._turns(history)
+        return _Tokenized(statics, chunks, turns, self._volatile(question), stats)
 
     def _static_segments(
         self,
-        system: str | None,
+        system: SystemLike | None,
         few_shot: Sequence[str] | None,
         overrides: dict[SegmentKind, Stability],
     ) -> list[Segment]:
-        texts: list[tuple[SegmentKind, str, int]] = []
-        if system:
-            texts.append((SegmentKind.SYSTEM, _text(system, "system"), 0))
-        for i, example in enumerate(few_shot or ()):
-            texts.append((SegmentKind.FEW_SHOT, _text(example, "few_shot example"), i))
+        parts = system_parts(system)
         segments = []
-        for kind, text, index in texts:
-            chunk = Chunk(text)
-            stability = overrides.get(kind, DEFAULT_STABILITY[kind])
-            slot = kind.value if kind is SegmentKind.SYSTEM else f"few_shot[{index}]"
-            segments.append(
-                Segment(
-                    kind, stability, text, (), self.registry.key(chunk), index, chunk, None, slot
+        for i, part in enumerate(parts):
+            slot = "system" if len(parts) == 1 else f"system[{i}]"
+            if isinstance(part, Volatile):
+                key = content_hash(part.text.encode("utf-8", "surrogatepass"), self.registry.hash)
+                segments.append(
+                    Segment(
+                        SegmentKind.SYSTEM, Stability.VOLATILE, part.text, (), key, i, slot=slot
+                    )
                 )
+            else:
+                segments.append(self._static(SegmentKind.SYSTEM, part, i, slot, overrides))
+        for i, example in enumerate(few_shot or ()):
+            text = _text(example, "few_shot example", "few_shot")
+            segments.append(
+                self._static(SegmentKind.FEW_SHOT, text, i, f"few_shot[{i}]", overrides)
             )
         return segments
+
+    def _static(
+        self,
+        kind: SegmentKind,
+        text: str,
+        index: int,
+        slot: str,
+        overrides: dict[SegmentKind, Stability],
+    ) -> Segment:
+        chunk = Chunk(text)
+        stability = overrides.get(kind, DEFAULT_STABILITY[kind])
+        return Segment(
+            kind, stability, text, (), self.registry.key(chunk), index, chunk, None, slot
+        )
 
     def _chunk_segments(
         self, raw_chunks: Iterable[str | bytes | Chunk], stats: AssemblyStats
@@ -269,42 +316,150 @@ class Assembler:
             )
         return segments
 
+    def _turns(self, history: Sequence[Turn] | None) -> list[Segment]:
+        turns = []
+        for i, turn in enumerate(history or ()):
+            if isinstance(turn, Mapping):
+                role, content = turn.get("role"), turn.get("content")
+            elif isinstance(turn, tuple) and len(turn) == 2:
+                role, content = turn
+            else:
+                role = content = None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise InvalidInputError(
+                    f"history[{i}] must be {{'role': str, 'content': str}} or (role, content).",
+                    param="history",
+                )
+            segment = self._volatile(content, SegmentKind.HISTORY, i)
+            segment.role = role
+            turns.append(segment)
+        return turns
+
+    def _volatile(
+        self, text: str, kind: SegmentKind = SegmentKind.QUESTION, index: int = 0
+    ) -> Segment:
+        key = content_hash(text.encode("utf-8", "surrogatepass"), self.registry.hash)
+        ids = self.tokenizer.encode(text)
+        return Segment(kind, Stability.VOLATILE, text, ids, key, index)
+
+    # -- learning, ordering and choice (under the lock) -------------------------------------
+
+    def _plan(
+        self,
+        tokenized: _Tokenized,
+        max_prompt_tokens: int | None,
+        residency: Residency | None,
+        overrides: dict[SegmentKind, Stability],
+    ) -> PromptPlan:
+        stats = tokenized.stats
+        head, tail = self._place_statics(tokenized.statics, stats)
+        chunks = tokenized.chunks
+        ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats)
+        request = _Request(head, chunks, tail, tokenized.turns, tokenized.question)
+        frame = self.template.frame(tuple(turn.role or "" for turn in request.turns))
+
+        dropped: list[Segment] = []
+        if max_prompt_tokens is not None:
+            request.chunks, dropped = fit_budget(
+                chunks, max_prompt_tokens, lambda kept: self._length(request, frame, kept)
+            )
+        head_key = _head_key(head)
+        orders = self._orders(request.chunks, ranks, head_key, stats)
+        candidates = [
+            (self._build(request, frame, order, stats), head_key, order) for order in orders
+        ]
+        has_given = False
+        if self.never_worse:
+            given = self._as_given(tokenized, request, frame, max_prompt_tokens)
+            if given is not None and given[0].token_ids != candidates[0][0].token_ids:
+                candidates.append(given)
+                has_given = True
+        plan, head_key, order = self._choose(candidates, has_given, residency, stats)
+        if self.order == "cache-aware":
+            self.tree.insert(head_key, [s.key for s in order])
+        self.sent.record(plan.token_ids)
+        plan.dropped = [
+            DroppedChunk(s.chunk, s.rank, len(s.token_ids), s.stability)  # type: ignore[arg-type]
+            for s in dropped
+        ]
+        stats.num_dropped = len(dropped)
+        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(request.chunks)
+        volatile = [s.start for s in plan.segments if s.stability is Stability.VOLATILE]
+        stats.stable_prefix_tokens = volatile[0] if volatile else len(plan.token_ids)
+        if self.measure_seams:
+            self._measure_seams(plan)
+        return plan
+
     def _place_statics(
         self, statics: list[Segment], stats: AssemblyStats
-    ) -> tuple[list[Segment], list[Segment]]:
-        """Split static segments into the head (before chunks) and the tail (after them)."""
-        head, tail, flagged, demoted = [], [], [], []
+    ) -> tuple[list[Group], list[Group]]:
+        """Split static segments into head groups (before chunks) and tail groups (after).
+
+        Caller-marked volatile parts go to the tail. Every other static segment is shown to
+        the slot learner; a changing one keeps its stable head and tail in front and moves
+        its middle after the chunks (or stays whole with ``demote_invalidators=False``).
+        """
+        flagged, demoted = [], []
+        system_head: Group = []
+        system_tail: Group = []
+        head: list[Group] = []
+        tail: list[Group] = []
         for segment in statics:
-            if segment.stability is not Stability.VOLATILE and self.detector.check(
-                segment.slot, segment.key
-            ):
+            is_system = segment.kind is SegmentKind.SYSTEM
+            if segment.stability is Stability.VOLATILE:
+                (system_tail if is_system else tail).append(segment)
+                continue
+            split = self.slots.observe(segment.slot, segment.key, segment.token_ids)
+            stay: Group = [segment]
+            moved: Group = []
+            if split is not None:
                 flagged.append(segment.slot)
                 if self.demote_invalidators:
-                    segment.stability = Stability.VOLATILE
                     demoted.append(segment.slot)
-            (tail if segment.stability is Stability.VOLATILE else head).append(segment)
+                    stay, moved = self._cut(segment, split.head, split.tail)
+            if is_system:
+                system_head += stay
+                system_tail += moved
+            else:
+                head.append(stay)
+                if moved:
+                    tail.append(moved)
+        if system_head:
+            head.insert(0, system_head)
+        if system_tail:
+            tail.insert(0, system_tail)
         stats.invalidators, stats.demoted = tuple(flagged), tuple(demoted)
+        stats.moved_tokens = sum(len(s.token_ids) for group in tail for s in group)
         return head, tail
 
-    def _tokenize(
-        self, head: list[Segment], tail: list[Segment], chunks: list[Segment], stats: AssemblyStats
-    ) -> None:
-        """Token ids via the registry, except volatile statics (they would only pollute it)."""
-        registry, key, encode = self.registry, self.tokenizer.key, self._encode_miss
-        for segment in head:
-            segment.token_ids = registry.token_ids(segment.chunk, key, encode)  # type: ignore[arg-type]
-        for segment in tail:
-            segment.token_ids = self.tokenizer.encode(segment.text)
-        self._misses = 0
-        for segment in chunks:
-            chunk = segment.chunk
-            segment.text = chunk.text  # type: ignore[union-attr]
-            segment.token_ids = registry.token_ids(chunk, key, encode)  # type: ignore[arg-type]
-        stats.chunks_tokenized, stats.chunks_reused = self._misses, len(chunks) - self._misses
-
-    def _encode_miss(self, text: str) -> list[int]:
-        self._misses += 1
-        return self.tokenizer.encode(text)
+    def _cut(self, segment: Segment, head: int, tail: int) -> tuple[Group, Group]:
+        """``segment`` as (stable parts kept in place, the volatile middle moved)."""
+        ids = list(segment.token_ids)
+        text = segment.text
+        head = _clean_cut(self.tokenizer, ids, head, text, from_end=False)
+        tail = _clean_cut(self.tokenizer, ids, tail, text, from_end=True)
+        pieces = [(ids[:head], Stability.STATIC), (ids[head : len(ids) - tail], None)]
+        pieces.append((ids[len(ids) - tail :], Stability.STATIC))
+        stay: Group = []
+        moved: Group = []
+        for part, stability in pieces:
+            if not part:
+                continue
+            part_text = self.tokenizer.decode(part)
+            key = content_hash(part_text.encode("utf-8", "surrogatepass"), self.registry.hash)
+            piece = Segment(
+                segment.kind,
+                stability or Stability.VOLATILE,
+                part_text,
+                part,
+                key,
+                segment.rank,
+                segment.chunk,
+                slot=segment.slot,
+                demoted=stability is None,
+            )
+            (stay if stability else moved).append(piece)
+        return stay, moved
 
     def _classify_chunks(
         self, chunks: list[Segment], forced: Stability | None, stats: AssemblyStats
@@ -324,31 +479,6 @@ class Assembler:
         stats.stable_chunks = sum(s.stability is Stability.STABLE for s in chunks)
         return ranks
 
-    def _turns(self, history: Sequence[Turn] | None) -> list[Segment]:
-        turns = []
-        for i, turn in enumerate(history or ()):
-            if isinstance(turn, Mapping):
-                role, content = turn.get("role"), turn.get("content")
-            elif isinstance(turn, tuple) and len(turn) == 2:
-                role, content = turn
-            else:
-                role = content = None
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise InvalidInputError(
-                    f"history[{i}] must be {{'role': str, 'content': str}} or (role, content)."
-                )
-            segment = self._volatile(content, SegmentKind.HISTORY, i)
-            segment.role = role
-            turns.append(segment)
-        return turns
-
-    def _volatile(
-        self, text: str, kind: SegmentKind = SegmentKind.QUESTION, index: int = 0
-    ) -> Segment:
-        key = content_hash(text.encode("utf-8", "surrogatepass"), self.registry.hash)
-        ids = self.tokenizer.encode(text)
-        return Segment(kind, Stability.VOLATILE, text, ids, key, index)
-
     def _orders(
         self,
         chunks: list[Segment],
@@ -367,13 +497,74 @@ class Assembler:
             return [walked]
         return [walked, canonical]
 
+    def _as_given(
+        self,
+        tokenized: _Tokenized,
+        request: _Request,
+        frame: tuple[Piece, ...],
+        max_prompt_tokens: int | None,
+    ) -> tuple[PromptPlan, bytes, list[Segment]] | None:
+        """The application's own order: statics whole and first, chunks as retrieved."""
+        system = [s for s in tokenized.statics if s.kind is SegmentKind.SYSTEM]
+        head = [system] if system else []
+        head += [[s] for s in tokenized.statics if s.kind is not SegmentKind.SYSTEM]
+        given = _Request(head, request.chunks, [], request.turns, request.question)
+        order = retrieval_order(request.chunks)
+        stats = AssemblyStats(order="retrieval")
+        plan = self._build(given, frame, order, stats)
+        if max_prompt_tokens is not None and len(plan.token_ids) > max_prompt_tokens:
+            return None
+        return plan, _head_key(head), order
+
+    def _choose(
+        self,
+        candidates: list[tuple[PromptPlan, bytes, list[Segment]]],
+        has_given: bool,
+        residency: Residency | None,
+        stats: AssemblyStats,
+    ) -> tuple[PromptPlan, bytes, list[Segment]]:
+        """The candidate with the longest cached prefix; ties go to the earliest (canonical).
+
+        ``has_given``: the last candidate is the as-given plan.
+        """
+        if len(candidates) == 1 and residency is None:
+            plan = candidates[0][0]
+            plan.stats = stats
+            same = "the as-given order is the same prompt" if self.never_worse else "not compared"
+            stats.choice_reason = f"canonical: {same}"
+            return candidates[0]
+        probe = residency if residency is not None else self.sent.cached_prefix_length
+        cached = [probe(plan.token_ids) for plan, _, _ in candidates]
+        best = max(range(len(candidates)), key=cached.__getitem__)
+        if has_given and best == len(candidates) - 1:
+            canonical_best = max(range(len(candidates) - 1), key=cached.__getitem__)
+            if cached[best] - cached[canonical_best] <= self.never_worse_slack:
+                best = canonical_best  # a near-tie: the canonical plan is the investment
+        plan, head_key, order = candidates[best]
+        plan.stats = stats
+        canonical = cached[:-1] if has_given else cached
+        stats.expected_canonical = max(canonical)
+        if has_given:
+            stats.expected_as_given = cached[-1]
+            if best == len(candidates) - 1:
+                stats.chosen = "as-given"
+            loser = "canonical" if stats.chosen == "as-given" else "as-given"
+            reason = f"{cached[best]} cached tokens vs {min(cached)} for the {loser} order"
+        else:
+            reason = "the as-given order is the same prompt" if self.never_worse else "not compared"
+        source = "engine residency" if residency is not None else "the assembler's record"
+        stats.choice_reason = f"{stats.chosen}: {reason} ({source})"
+        if residency is not None:
+            plan.expected_cached_tokens = cached[best]
+        return plan, head_key, order
+
     # -- layout ---------------------------------------------------------------------------
 
     def _items(self, request: _Request, chunks: Sequence[Segment]) -> list[Any]:
-        """System-message items in order: segments, and the chunk list as one item."""
+        """System-message items in order: segment groups, and the chunk list as one item."""
         items: list[Any] = list(request.head)
         if chunks:
-            items.append(chunks)
+            items.append(("chunks", chunks))
         items.extend(request.tail)
         return items
 
@@ -386,12 +577,13 @@ class Assembler:
         total += sum(len(t.token_ids) for t in request.turns)
         total += max(0, len(items) - 1) * len(template.separator.token_ids)
         for item in items:
-            if isinstance(item, Segment):
-                total += len(item.token_ids)
-            else:
+            if isinstance(item, tuple):
+                listed = item[1]
                 total += len(template.context_header.token_ids)
+                total += sum(len(s.token_ids) for s in listed)
+                total += (len(listed) - 1) * len(template.chunk_delimiter.token_ids)
+            else:
                 total += sum(len(s.token_ids) for s in item)
-                total += (len(item) - 1) * len(template.chunk_delimiter.token_ids)
         return total
 
     def _build(
@@ -414,19 +606,21 @@ class Assembler:
             start = len(ids)
             ids.extend(s.token_ids)
             texts.append(s.text)
-            demoted = s.slot in stats.demoted
-            spans.append(SegmentSpan(s.kind, s.stability, start, len(ids), s.key, s.rank, demoted))
+            spans.append(
+                SegmentSpan(s.kind, s.stability, start, len(ids), s.key, s.rank, s.demoted)
+            )
 
         template = self.template
         piece(frame[0])
         for i, item in enumerate(self._items(request, chunks)):
             if i:
                 piece(template.separator)
-            if isinstance(item, Segment):
-                segment(item)
+            if not isinstance(item, tuple):
+                for s in item:
+                    segment(s)
                 continue
             piece(template.context_header)
-            for j, chunk in enumerate(item):
+            for j, chunk in enumerate(item[1]):
                 if j:
                     piece(template.chunk_delimiter)
                 segment(chunk)
@@ -447,7 +641,29 @@ class Assembler:
         plan.stats.token_count_delta = len(plan.token_ids) - len(reference)
 
 
-def _text(value: object, what: str) -> str:
+def _head_key(head: list[Group]) -> bytes:
+    return content_hash(b"".join(s.key for group in head for s in group))
+
+
+def _clean_cut(
+    tokenizer: TextTokenizer, ids: list[int], length: int, text: str, *, from_end: bool
+) -> int:
+    """``length`` shortened (by a few tokens at most) so the cut falls between characters.
+
+    Byte-level BPE can split one UTF-8 character over two tokens; cutting there would make
+    the two parts' texts disagree with the whole's.
+    """
+    for _ in range(4):
+        if length == 0:
+            return 0
+        part = tokenizer.decode(ids[len(ids) - length :] if from_end else ids[:length])
+        if text.endswith(part) if from_end else text.startswith(part):
+            return length
+        length -= 1
+    return 0
+
+
+def _text(value: object, what: str, param: str) -> str:
     if not isinstance(value, str):
-        raise InvalidInputError(f"{what} must be str, got {type(value).__name__}.")
+        raise InvalidInputError(f"{what} must be str, got {type(value).__name__}.", param=param)
     return value

@@ -44,6 +44,13 @@ class AssemblyStats:
     the part a later request can reuse. ``seam_mismatch_tokens`` and ``token_count_delta``
     compare ``token_ids`` with tokenizing ``text`` in one go; they are ``None`` unless the
     assembler measures seams (``measure_seams=True``).
+
+    ``invalidators`` names the static slots seen changing on every request, ``demoted``
+    those whose changing part was moved after the chunks (``moved_tokens`` tokens in all,
+    caller-marked volatile parts included). ``chosen`` is ``"canonical"`` or
+    ``"as-given"`` (the application's own order won on cached prefix), with
+    ``expected_canonical`` / ``expected_as_given`` the cached-prefix estimates compared and
+    ``choice_reason`` a sentence saying why.
     """
 
     order: str
@@ -58,6 +65,11 @@ class AssemblyStats:
     tree_path_chunks: int = 0
     invalidators: tuple[str, ...] = ()
     demoted: tuple[str, ...] = ()
+    moved_tokens: int = 0
+    chosen: str = "canonical"
+    choice_reason: str = ""
+    expected_canonical: int | None = None
+    expected_as_given: int | None = None
     seam_mismatch_tokens: int | None = None
     token_count_delta: int | None = None
 

@@ -64,6 +64,7 @@ class Segment:
     chunk: Chunk | None = None
     role: str | None = None
     slot: str = ""
+    demoted: bool = False  # the changing part of a static slot, moved after the chunks
 
     @property
     def relevance(self) -> tuple[float, int]:

@@ -17,11 +17,14 @@ from ragkv._version import __version__
 from ragkv.errors import RagkvError
 
 if TYPE_CHECKING:
+    from ragkv.assembler import SystemPrompt, Volatile
     from ragkv.pipeline import Answer, Pipeline
 
 _LAZY = {
     "Pipeline": "ragkv.pipeline",
     "Answer": "ragkv.pipeline",
+    "SystemPrompt": "ragkv.assembler",
+    "Volatile": "ragkv.assembler",
 }
 
 
@@ -32,4 +35,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["Answer", "Pipeline", "RagkvError", "__version__"]
+__all__ = ["Answer", "Pipeline", "RagkvError", "SystemPrompt", "Volatile", "__version__"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv.assembler import Assembler, PromptPlan
+from ragkv.assembler.structured import SystemLike
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
@@ -132,7 +133,7 @@ class Pipeline:
         question: str,
         chunks: Iterable[ChunkLike],
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         cache_salt: str | None = None,
     ) -> Prepared:
@@ -162,7 +163,7 @@ class Pipeline:
         question: str,
         chunks: Iterable[ChunkLike],
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
@@ -181,7 +182,7 @@ class Pipeline:
         question: str,
         chunks: Iterable[ChunkLike],
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
@@ -200,7 +201,7 @@ class Pipeline:
         question: str,
         chunks: Iterable[ChunkLike],
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
@@ -220,7 +221,7 @@ class Pipeline:
         question: str,
         chunks: Iterable[ChunkLike],
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,

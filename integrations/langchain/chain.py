@@ -9,6 +9,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
+from ragkv.assembler.structured import SystemLike
 from ragkv.dedup import Deduplicator
 from ragkv.integrations.langchain.chat_model import ChatRagKV
 from ragkv.integrations.langchain.documents import document_to_chunk
@@ -19,7 +20,7 @@ def create_rag_chain(
     retriever: BaseRetriever,
     chat_model: ChatRagKV,
     *,
-    system: str | None = None,
+    system: SystemLike | None = None,
     deduplicator: Deduplicator | None = None,
     order: str = "stable-first",
     max_prompt_tokens: int | None = None,
@@ -29,7 +30,10 @@ def create_rag_chain(
     The documents are never flattened into one prompt string: :class:`ragkv.Pipeline`
     dedups them and assembles the prompt from per-chunk token ids in a cache-friendly
     ``order``, so chunk boundaries (and the prefix cache) survive. Input: the question, or
-    ``{"question": ..., "history": [{"role": ..., "content": ...}, ...]}``. Output: a dict
+    ``{"question": ..., "history": [{"role": ..., "content": ...}, ...], "system": ...}``
+    (``system`` overrides the chain's for that call). ``system`` may be structured:
+    ``["stable text", Volatile("Today is …")]`` or ``SystemPrompt(template, **values)``
+    (see :mod:`ragkv.assembler.structured`). Output: a dict
     with ``answer`` (str), ``usage`` (LangChain ``UsageMetadata``, ``cache_read`` included),
     ``documents`` (the retrieved ones), ``plan`` (the :class:`~ragkv.assembler.PromptPlan`)
     and ``result`` (the full :class:`ragkv.Answer`).
@@ -42,12 +46,12 @@ def create_rag_chain(
     )
 
     def run(inputs: str | dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
-        question, history = _parse(inputs)
+        question, history, call_system = _parse(inputs, system)
         docs = retriever.invoke(question, config=config)
         answer = pipeline.answer(
             question,
             [document_to_chunk(d) for d in docs],
-            system=system,
+            system=call_system,
             history=history,
             params=chat_model.sampling_params(),
             cache_salt=chat_model.cache_salt,
@@ -55,12 +59,12 @@ def create_rag_chain(
         return _result(answer, docs)
 
     async def arun(inputs: str | dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
-        question, history = _parse(inputs)
+        question, history, call_system = _parse(inputs, system)
         docs = await retriever.ainvoke(question, config=config)
         answer = await pipeline.aanswer(
             question,
             [document_to_chunk(d) for d in docs],
-            system=system,
+            system=call_system,
             history=history,
             params=chat_model.sampling_params(),
             cache_salt=chat_model.cache_salt,
@@ -70,10 +74,12 @@ def create_rag_chain(
     return RunnableLambda(run, afunc=arun, name="ragkv_rag_chain")
 
 
-def _parse(inputs: str | dict[str, Any]) -> tuple[str, Sequence[dict[str, str]] | None]:
+def _parse(
+    inputs: str | dict[str, Any], system: SystemLike | None
+) -> tuple[str, Sequence[dict[str, str]] | None, SystemLike | None]:
     if isinstance(inputs, str):
-        return inputs, None
-    return inputs["question"], inputs.get("history")
+        return inputs, None, system
+    return inputs["question"], inputs.get("history"), inputs.get("system", system)
 
 
 def _result(answer: Answer, docs: list[Document]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
+from ragkv.assembler.structured import SystemLike
 from ragkv.dedup import Chunk, Deduplicator
 from ragkv.integrations._documents import make_chunk
 from ragkv.pipeline import Answer, Pipeline
@@ -36,6 +37,10 @@ class RagKVSynthesizer(BaseSynthesizer):
     ``Response.metadata`` carries ``usage`` (OpenAI shape, ``cached_tokens`` included),
     ``dedup`` (counts) and ``plan`` (the :class:`~ragkv.assembler.PromptPlan`).
 
+    ``system`` may be structured (``["stable text", Volatile("Today is …")]`` or
+    ``SystemPrompt(template, **values)``, see :mod:`ragkv.assembler.structured`); set
+    ``synthesizer.system`` before a query to change it per request.
+
     Use: ``index.as_query_engine(llm=llm, response_synthesizer=RagKVSynthesizer(llm))``.
     """
 
@@ -43,7 +48,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         self,
         llm: Any,
         *,
-        system: str | None = None,
+        system: SystemLike | None = None,
         deduplicator: Deduplicator | None = None,
         order: str = "stable-first",
         max_prompt_tokens: int | None = None,

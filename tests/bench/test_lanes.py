@@ -55,7 +55,10 @@ def test_no_cache_lane_reuses_nothing_and_computes_every_prompt_token(bench):
 def test_baselines_send_the_same_tokens_and_dedup_accounts_for_the_difference(bench):
     lanes = bench[0]["lanes"]
     assert lanes["no-cache"]["prompt_tokens"] == lanes["apc"]["prompt_tokens"]
-    assert lanes["apc"]["prompt_tokens"] == lanes["apc+assembler"]["prompt_tokens"]
+    # The assembler only reorders; moving a changing system-prompt part after the chunks
+    # adds one separator ("\n\n", at most 2 tokens) to a request.
+    added = lanes["apc+assembler"]["prompt_tokens"] - lanes["apc"]["prompt_tokens"]
+    assert 0 <= added <= 2 * len(bench[1][0].records)
     removed = lanes["ragkv"]["dedup_removed_tokens"]
     assert removed > 0
     assert lanes["ragkv"]["prompt_tokens"] + removed == lanes["apc+assembler"]["prompt_tokens"]

@@ -1,0 +1,159 @@
+"""Sub-slot stability: learn which tokens of a "static" slot really are static.
+
+A production system prompt is rarely constant: ``"You are X. Today is DATE. Rules: …"``
+has two large parts that repeat on every request and a small part that changes on almost
+every request. Moving the whole slot after the chunks (what a slot-level detector can do)
+loses the repeating parts as a shared prefix; keeping it in place loses everything after it.
+
+The policy, per slot (``"system"``, ``"few_shot[0]"``, or one marked part of a structured
+system prompt):
+
+1. **Detect.** A version is *novel* when it is not among the slot's recent versions. After
+   ``after`` novel versions in a row the slot is *changing*; it is static again only after
+   ``settle_after`` non-novel ones in a row (hysteresis: a session that repeats its own
+   system prompt for a few turns does not flip the layout back and forth).
+2. **Learn.** While changing, the slot's ``versions`` most recent distinct versions are
+   compared at token level: their common prefix is the *stable head*, their common suffix
+   (over what is left) the *stable tail*. Both are rounded down to whole blocks, so a
+   boundary that jitters by a token or two (a clock's digits) does not move the split.
+3. **Split.** The current version is cut into ``head ⊕ volatile ⊕ tail``: head and tail stay
+   in place, joined (``"You are X. " ⊕ "Rules: …"``), and the volatile middle moves after the
+   chunks, before the history and the question. A slot that never changes is never split.
+
+The reordering this implies: the changing text (a date, a user name) reaches the model
+after the retrieved context instead of inside the instructions, and the instructions read
+without it. Several changing regions in one slot are treated as one: the stable text
+between the first and the last change moves with them (split the prompt with
+:class:`~ragkv.assembler.Volatile` parts when that matters).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ragkv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_MAX_SLOTS = 256
+
+
+@dataclass(slots=True, frozen=True)
+class SlotSplit:
+    """Where one version of a slot is cut: ``ids[:head]`` and ``ids[len - tail:]`` stay."""
+
+    head: int
+    tail: int
+
+
+@dataclass(slots=True)
+class _Slot:
+    versions: deque[tuple[bytes, tuple[int, ...]]]
+    novel_streak: int = 0
+    settled_streak: int = 0
+    changing: bool = False
+    warned: bool = False
+    keys: set[bytes] = field(default_factory=set)
+
+
+class SlotLearner:
+    """Learns the stable head and tail of each static slot from its recent versions."""
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        versions: int = 8,
+        after: int = 3,
+        settle_after: int = 16,
+        max_slot_tokens: int = 65_536,
+    ) -> None:
+        if block_size < 1 or versions < 2:
+            raise ConfigError("block_size must be >= 1 and versions >= 2.")
+        if after < 2 or settle_after < 1:
+            raise ConfigError("Changing slots are detected after >= 2 novel versions in a row.")
+        self.block_size = block_size
+        self.versions = versions
+        self.after = after
+        self.settle_after = settle_after
+        self.max_slot_tokens = max_slot_tokens
+        self._slots: OrderedDict[str, _Slot] = OrderedDict()
+
+    def observe(self, slot: str, key: bytes, token_ids: Sequence[int]) -> SlotSplit | None:
+        """Record this request's version of ``slot``; its split, or ``None`` to keep it whole.
+
+        A split may still be empty (``head == tail == 0``: nothing stable to keep in front).
+        """
+        state = self._slot(slot)
+        if state is None or len(token_ids) > self.max_slot_tokens:
+            return None
+        novel = key not in state.keys
+        if novel:
+            state.novel_streak, state.settled_streak = state.novel_streak + 1, 0
+            versions = state.versions
+            if len(versions) == versions.maxlen:
+                state.keys.discard(versions[0][0])
+            versions.append((key, tuple(token_ids)))
+            state.keys.add(key)
+        else:
+            state.novel_streak, state.settled_streak = 0, state.settled_streak + 1
+        if not state.changing and state.novel_streak >= self.after:
+            state.changing = True
+            if not state.warned:
+                state.warned = True
+                logger.warning(
+                    "The %s segment is marked static but changed on each of the last %d "
+                    "requests (a timestamp or a user name?). The assembler keeps its stable "
+                    "head and tail in place and moves the changing part after the retrieved "
+                    "chunks; mark it yourself with Volatile(...) or SystemPrompt(...).",
+                    slot,
+                    state.novel_streak,
+                )
+        elif state.changing and state.settled_streak >= self.settle_after:
+            state.changing = False
+        if not state.changing:
+            return None
+        return self._split(state, token_ids)
+
+    def is_changing(self, slot: str) -> bool:
+        """Whether ``slot`` is currently treated as changing."""
+        state = self._slots.get(slot)
+        return state is not None and state.changing
+
+    def _slot(self, slot: str) -> _Slot | None:
+        state = self._slots.get(slot)
+        if state is None:
+            if len(self._slots) >= _MAX_SLOTS:
+                return None  # bounded: unknown slots beyond the cap stay whole
+            state = self._slots[slot] = _Slot(deque(maxlen=self.versions))
+        return state
+
+    def _split(self, state: _Slot, ids: Sequence[int]) -> SlotSplit:
+        others = [v for _, v in state.versions]
+        head = len(ids)
+        for other in others:
+            head = min(head, _common_prefix(ids, other, head))
+        tail = len(ids) - head
+        for other in others:
+            tail = min(tail, _common_suffix(ids, other, min(tail, len(other) - head)))
+        bs = self.block_size
+        return SlotSplit(head - head % bs, tail - tail % bs)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_suffix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), max(limit, 0))
+    i = 0
+    while i < n and a[-1 - i] == b[-1 - i]:
+        i += 1
+    return i
