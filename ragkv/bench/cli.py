@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ragkv.bench.lanes import LANES
+
+# The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
+# Topics scale with requests, so each topic recurs about as often in both.
+DEFAULT_REQUESTS, DEFAULT_TOPICS = 60, 15
+FULL_REQUESTS, FULL_TOPICS = 200, 50
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,7 +25,13 @@ def add_parser(subparsers: Any) -> None:
         description="Replay the same requests through several lanes side by side "
         "(see README, 'Benchmark'). Exits 1 when greedy outputs of identical prompts differ.",
     )
-    p.add_argument("--workload", choices=("synthetic", "trace"), default="synthetic")
+    p.add_argument(
+        "--workload",
+        choices=("synthetic", "production", "trace"),
+        default="synthetic",
+        help="synthetic (short system prompt, timestamp at its end), production (long system "
+        "prompt changing in the middle, Zipf passages, sessions) or a trace file",
+    )
     p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument(
@@ -32,17 +44,29 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
     p.add_argument("--lanes", default=",".join(LANES), help="comma-separated subset of lanes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the full-size workload ({FULL_REQUESTS} requests, about 3x longer than the default)",
+    )
     g = p.add_argument_group("synthetic workload")
-    g.add_argument("--requests", type=int, default=200)
-    g.add_argument("--topics", type=int, default=50)
+    g.add_argument(
+        "--requests", type=int, help=f"default {DEFAULT_REQUESTS} ({FULL_REQUESTS} with --full)"
+    )
+    g.add_argument(
+        "--topics", type=int, help=f"default {DEFAULT_TOPICS} ({FULL_TOPICS} with --full)"
+    )
     g.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity")
     g.add_argument("--query-variants", type=int, default=3)
     g.add_argument("--top-k", type=int, default=4)
-    g.add_argument("--follow-up-rate", type=float, default=0.2)
+    g.add_argument("--follow-up-rate", type=float, help="synthetic 0.2, production 0.3")
     g.add_argument("--questions-per-topic", type=int, default=4)
     g.add_argument("--no-timestamp", action="store_true", help="no timestamp in the system prompt")
     g.add_argument("--chunk-size", type=int, default=400, help="characters per corpus window")
     g.add_argument("--chunk-overlap", type=int, default=100)
+    w = p.add_argument_group("production workload (--requests, --top-k, --seed also apply)")
+    w.add_argument("--passages", type=int, help="distinct passages in the pool (2 per request)")
+    w.add_argument("--duplicate-rate", type=float, default=0.05)
     t = p.add_argument_group("trace workload")
     t.add_argument("--trace", help="JSONL file, one request per line (segment ids by role)")
     t.add_argument("--lengths", help="JSON object {segment id: token length}")
@@ -54,6 +78,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> Any:
+    from ragkv.bench.production import ProductionConfig, production_workload
     from ragkv.bench.workload import SyntheticConfig, synthetic_workload, trace_workload
     from ragkv.errors import ConfigError
 
@@ -66,14 +91,29 @@ def build_workload(args: argparse.Namespace) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
         return trace_workload(args.trace, args.lengths, tokenizer, seed=args.seed)
+    requests = args.requests or (FULL_REQUESTS if args.full else DEFAULT_REQUESTS)
+    topics = args.topics or (FULL_TOPICS if args.full else DEFAULT_TOPICS)
+    if args.workload == "production":
+        return production_workload(
+            ProductionConfig(
+                requests=requests,
+                passages=args.passages or 2 * requests,
+                top_k=args.top_k,
+                duplicate_rate=args.duplicate_rate,
+                follow_up_rate=0.3 if args.follow_up_rate is None else args.follow_up_rate,
+                chunk_size=args.chunk_size,
+                chunk_overlap=args.chunk_overlap,
+                seed=args.seed,
+            )
+        )
     return synthetic_workload(
         SyntheticConfig(
-            requests=args.requests,
-            topics=args.topics,
+            requests=requests,
+            topics=topics,
             zipf_s=args.zipf,
             query_variants=args.query_variants,
             top_k=args.top_k,
-            follow_up_rate=args.follow_up_rate,
+            follow_up_rate=0.2 if args.follow_up_rate is None else args.follow_up_rate,
             timestamp=not args.no_timestamp,
             questions_per_topic=args.questions_per_topic,
             chunk_size=args.chunk_size,
@@ -105,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         lanes=[name.strip() for name in args.lanes.split(",") if name.strip()],
         progress=not args.no_progress,
     )
-    report, results = run_bench(workload, config)
+    report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))
     if args.json == "-":
         print(json.dumps(report, indent=2))
     else:
@@ -117,10 +157,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
 
 
+def _print_estimate(args: argparse.Namespace, workload: Any) -> Any:
+    """Print the ETA (to stderr, so ``--json -`` stays clean) before the lanes start."""
+
+    def show(seconds: float) -> None:
+        lanes = args.lanes.count(",") + 1
+        print(
+            f"ragkv bench: {lanes} lanes x {len(workload.requests)} {workload.name} requests, "
+            f"estimated {seconds / 60:.1f} min on this machine (calibrated by one prefill)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
+
+
 @contextmanager
 def quiet_invalidator_warning() -> Iterator[None]:
     """The synthetic workload's timestamp is an invalidator on purpose; the lanes show its cost."""
-    logger = logging.getLogger("ragkv.assembler.invalidators")
+    logger = logging.getLogger("ragkv.assembler.slots")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

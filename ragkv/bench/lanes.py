@@ -103,6 +103,8 @@ def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
         # Baselines model an app without ragkv's assembler: no invalidator warning either.
         invalidator_after=3 if spec.demote_invalidators else 1 << 30,
         collapse_duplicates=False,
+        # The baselines send the app's own order; only ragkv's lanes compare against it.
+        never_worse=spec.demote_invalidators,
     )
     return Pipeline(engine, assembler=assembler, dedup=spec.dedup)
 
@@ -206,7 +208,7 @@ def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) ->
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=usage.cached_tokens,
         completion_tokens=usage.completion_tokens,
-        dedup_removed_tokens=_removed_tokens(pipeline, request, answer) if spec.dedup else 0,
+        dedup_removed_tokens=removed_tokens(pipeline, request, answer.plan) if spec.dedup else 0,
         ttft_s=prep + t["ttft_s"],
         e2e_s=prep + t["total_s"],
         chunks_in=answer.dedup.chunks_in,
@@ -214,9 +216,9 @@ def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) ->
     )
 
 
-def _removed_tokens(pipeline: Any, request: RequestSpec, answer: Any) -> int:
+def removed_tokens(pipeline: Any, request: RequestSpec, plan: Any) -> int:
     """Tokens the duplicates would have added: each is as long as its survivor's span."""
-    lengths = {s.content_hash: s.end - s.start for s in answer.plan.spans("chunk")}
+    lengths = {s.content_hash: s.end - s.start for s in plan.spans("chunk")}
     key = pipeline.registry.key
     retrieved = sum(lengths.get(key(c), 0) for c in request.chunks)
     kept = sum(lengths.values())

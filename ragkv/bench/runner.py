@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,67 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
+@dataclass(slots=True)
+class WorkloadProfile:
+    """Token counts of a workload, computed without a model (dedup + assembler only).
+
+    ``sent_tokens``: what the baseline lanes send (duplicates included); ``ragkv_tokens``:
+    what the ragkv lane sends; ``distinct_tokens``: the distinct full blocks of the ragkv
+    lane's prompts (what an unbounded prefix cache would compute); ``largest``: the longest
+    request with its duplicates and output.
+    """
+
+    requests: int
+    sent_tokens: int
+    ragkv_tokens: int
+    distinct_tokens: int
+    largest: int
+
+    def kv_tokens(self, block_size: int, share: float = 0.5) -> int:
+        """``share`` of the distinct tokens, at least two largest requests, whole blocks."""
+        tokens = max(int(self.distinct_tokens * share), 2 * self.largest)
+        return -(-tokens // block_size) * block_size
+
+
+def profile_workload(
+    workload: Workload,
+    tokenizer: Any,
+    block_size: int,
+    max_tokens: int,
+    order: str = "cache-aware",
+) -> WorkloadProfile:
+    """Assemble the ragkv lane's prompts without a model and count their tokens.
+
+    A follow-up's earlier answers stand in as ``max_tokens`` filler tokens.
+    """
+    from types import SimpleNamespace
+
+    from ragkv.bench.lanes import build_pipeline, lane_specs, removed_tokens
+    from ragkv.cache_engine import block_hashes
+
+    spec = lane_specs(["ragkv"], order)[0]
+    # The lane's own pipeline, without a model: only prepare() is used.
+    pipeline = build_pipeline(spec, SimpleNamespace(tokenizer=tokenizer, block_size=block_size))
+    filler = " ".join(["answer"] * max_tokens)
+    turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+    blocks: set[bytes] = set()
+    sent = ragkv = largest = 0
+    for r in workload.requests:
+        history = r.history if r.history is not None else turns[r.session_id]
+        prepared = pipeline.prepare(r.question, r.chunks, system=r.system, history=history)
+        ids = prepared.plan.token_ids
+        blocks.update(block_hashes(ids, block_size))
+        removed = removed_tokens(pipeline, r, prepared.plan)
+        ragkv += len(ids)
+        sent += len(ids) + removed
+        largest = max(largest, len(ids) + removed + max_tokens)
+        turns[r.session_id] += [
+            {"role": "user", "content": r.question},
+            {"role": "assistant", "content": filler},
+        ]
+    return WorkloadProfile(len(workload.requests), sent, ragkv, len(blocks) * block_size, largest)
+
+
 def default_kv_tokens(
     workload: Workload,
     tokenizer: Any,
@@ -63,44 +125,55 @@ def default_kv_tokens(
 ) -> int:
     """``share`` of the unique tokens of the ragkv lane's prompts; at least 2 largest requests.
 
-    The ragkv lane's prompts are assembled here without a model (dedup + assembler; a
-    follow-up's earlier answers stand in as ``max_tokens`` filler tokens) and their distinct
-    full blocks counted: the working set an unbounded prefix cache would hold. The floor
-    keeps the pool able to run the biggest no-cache request next to another one, so the
-    baselines are not starved into preemption by a tiny pool.
+    The floor keeps the pool able to run the biggest no-cache request next to another one,
+    so the baselines are not starved into preemption by a tiny pool.
     """
-    from types import SimpleNamespace
-
-    from ragkv.bench.lanes import build_pipeline, lane_specs
-    from ragkv.cache_engine import block_hashes
-
-    spec = lane_specs(["ragkv"], order)[0]
-    # The lane's own pipeline, without a model: only prepare() is used.
-    pipeline = build_pipeline(spec, SimpleNamespace(tokenizer=tokenizer, block_size=block_size))
-    filler = " ".join(["answer"] * max_tokens)
-    turns: dict[str, list[dict[str, str]]] = defaultdict(list)
-    blocks: set[bytes] = set()
-    largest = 0
-    for r in workload.requests:
-        history = r.history if r.history is not None else turns[r.session_id]
-        prepared = pipeline.prepare(r.question, r.chunks, system=r.system, history=history)
-        ids = prepared.plan.token_ids
-        blocks.update(block_hashes(ids, block_size))
-        removed = sum(len(c.text) for c in r.chunks) - sum(
-            len(c.text) for c in prepared.dedup.chunks
-        )
-        # Duplicates the baselines also send: ~4 characters per token is plenty here.
-        largest = max(largest, len(ids) + removed // 3 + max_tokens)
-        turns[r.session_id] += [
-            {"role": "user", "content": r.question},
-            {"role": "assistant", "content": filler},
-        ]
-    tokens = max(int(len(blocks) * block_size * share), 2 * largest)
-    return -(-tokens // block_size) * block_size
+    profile = profile_workload(workload, tokenizer, block_size, max_tokens, order)
+    return profile.kv_tokens(block_size, share)
 
 
-def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], list[LaneResult]]:
-    """Every lane on a fresh engine of the same configuration; returns (report, results)."""
+def calibrate(engine: Any, tokens: int = 256, steps: int = 4) -> tuple[float, float]:
+    """(seconds per prefill token, seconds per decode step) of ``engine`` on this machine."""
+    from ragkv.cache_engine import SamplingParams
+
+    vocab = len(engine.tokenizer)
+    ids = [(i * 7919) % (vocab - 1) + 1 for i in range(tokens)]
+    engine.generate(ids[:32], SamplingParams(max_tokens=1, ignore_eos=True))  # warm up
+    out = engine.generate(ids, SamplingParams(max_tokens=steps, ignore_eos=True))
+    t = out.timings
+    return t.ttft_s / tokens, max(t.total_s - t.ttft_s, 0.0) / max(steps - 1, 1)
+
+
+def estimate_seconds(
+    profile: WorkloadProfile,
+    per_token_s: float,
+    per_step_s: float,
+    lanes: Sequence[str],
+    max_tokens: int,
+    concurrency: int,
+) -> float:
+    """A rough wall-time estimate of all lanes (prefill tokens + batched decode steps)."""
+    computed = {
+        "no-cache": profile.sent_tokens,
+        "apc": profile.sent_tokens,
+        "apc+assembler": (profile.sent_tokens + profile.distinct_tokens) / 2,
+        "ragkv": profile.distinct_tokens,
+    }
+    prefill = sum(computed.get(name, profile.sent_tokens) for name in lanes) * per_token_s
+    steps = profile.requests * max_tokens / max(1, min(concurrency, profile.requests))
+    return prefill + len(lanes) * steps * per_step_s
+
+
+def run_bench(
+    workload: Workload,
+    config: BenchConfig,
+    on_estimate: Callable[[float], None] | None = None,
+) -> tuple[dict[str, Any], list[LaneResult]]:
+    """Every lane on a fresh engine of the same configuration; returns (report, results).
+
+    ``on_estimate``, if given, receives an estimate of the run's wall time in seconds
+    before the first lane starts (calibrated by one short prefill on this machine).
+    """
     from transformers import AutoTokenizer
 
     from ragkv.cache_engine import Engine, SamplingParams
@@ -108,11 +181,13 @@ def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], 
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
     kv_tokens = config.kv_cache_tokens
-    if kv_tokens is None:
+    profile = None
+    if kv_tokens is None or on_estimate is not None:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        kv_tokens = default_kv_tokens(
+        profile = profile_workload(
             workload, tokenizer, config.block_size, config.max_tokens, config.order
         )
+        kv_tokens = kv_tokens or profile.kv_tokens(config.block_size)
     logger.info("bench: dtype %s, KV pool %d tokens", dtype, kv_tokens)
     model_name = [""]
 
@@ -129,6 +204,22 @@ def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], 
         model_name[0] = engine.model_name
         return engine
 
+    lanes = lane_specs(config.lanes, config.order)
+    if on_estimate is not None and profile is not None:
+        t0 = time.perf_counter()
+        probe = make_engine(lanes[0])
+        load_s = time.perf_counter() - t0
+        try:
+            per_token, per_step = calibrate(probe)
+        finally:
+            probe.close()
+        names = [spec.name for spec in lanes]
+        on_estimate(
+            estimate_seconds(
+                profile, per_token, per_step, names, config.max_tokens, config.concurrency
+            )
+            + len(names) * load_s
+        )
     params = SamplingParams(max_tokens=config.max_tokens)
     try:
         results = [
@@ -141,7 +232,7 @@ def run_bench(workload: Workload, config: BenchConfig) -> tuple[dict[str, Any], 
                 progress=config.progress,
                 keep_answers=config.keep_answers,
             )
-            for spec in lane_specs(config.lanes, config.order)
+            for spec in lanes
         ]
     except PromptTooLongError as exc:
         raise PromptTooLongError(
