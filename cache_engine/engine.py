@@ -189,14 +189,16 @@ class Engine:
         single = _is_single_prompt(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
-            raise InvalidInputError("generate() needs at least one prompt")
+            raise InvalidInputError("generate() needs at least one prompt", param="prompt")
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
         else:
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidInputError(
-                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts"
+                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts; pass one "
+                    "SamplingParams for all or one per prompt",
+                    param="params",
                 )
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         requests = [
@@ -335,16 +337,19 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new Engine")
         if not isinstance(params, SamplingParams):
-            raise InvalidInputError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise InvalidInputError(
+                f"params must be SamplingParams, got {type(params).__name__}", param="params"
+            )
         params.validate(vocab_size=self.runner.vocab_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidInputError("cache_salt must be a string or None")
+            raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
         token_ids = self._prompt_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
                 "and at least one token must be generated. Shorten the prompt (e.g. "
-                "Assembler(max_prompt_tokens=...)) or use a model with a longer context"
+                "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
+                param="prompt",
             )
         request = Request(
             f"req-{next(self._ids)}",
@@ -363,20 +368,24 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidInputError("prompt is empty")
+                raise InvalidInputError("prompt is empty", param="prompt")
+            if not prompt.isascii():
+                _check_utf8(prompt, "prompt")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise InvalidInputError(
-                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
+                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
+                param="prompt",
             )
         ids = list(prompt)
         if not ids:
-            raise InvalidInputError("prompt is empty: pass at least one token id")
+            raise InvalidInputError("prompt is empty: pass at least one token id", param="prompt")
         vocab = self.runner.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidInputError(
-                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}"
+                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}",
+                    param="prompt",
                 )
         return ids
 
@@ -610,6 +619,18 @@ class Engine:
                 self.scheduler.finish(request, "abort")
                 self._deliver(request, exc)
             self._requests.clear()
+
+
+def _check_utf8(text: str, param: str) -> None:
+    """Refuse text that has no UTF-8 form (lone surrogates, e.g. from a bad JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{param} is not valid Unicode: {exc.reason} at index {exc.start} "
+            f"({text[exc.start : exc.end]!r}); send UTF-8 text without lone surrogates",
+            param=param,
+        ) from None
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -90,7 +90,8 @@ class Scheduler:
             raise PromptTooLongError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {prompt_blocks} KV blocks "
                 f"but the whole pool has {self.kv.pool.num_blocks} (block size "
-                f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens"
+                f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens",
+                param="prompt",
             )
         needed = self.blocks_needed(request)
         if needed > self.kv.pool.num_blocks:
@@ -98,7 +99,8 @@ class Scheduler:
                 f"request {request.request_id} needs {needed} KV blocks "
                 f"({request.num_prompt_tokens} prompt tokens + max_tokens "
                 f"{request.params.max_tokens}, block size {self.kv.block_size}) but the whole "
-                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens"
+                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens",
+                param="max_tokens",
             )
 
     def add(self, request: Request) -> None:
