@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.detokenizer import IncrementalDetokenizer
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelInput, ModelRunner
@@ -290,8 +291,9 @@ class Engine:
         """How many leading tokens of ``token_ids`` are cached now (what a request would reuse)."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
+        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
         probe = Request(f"probe-{next(self._ids)}", list(token_ids), SamplingParams())
-        probe.cache_salt = cache_salt
+        probe.salt_digest = salt_digest
         with self._lock:
             try:
                 return self.kv.get_computed_blocks(probe, record=False)[1]
@@ -341,8 +343,11 @@ class Engine:
                 f"params must be SamplingParams, got {type(params).__name__}", param="params"
             )
         params.validate(vocab_size=self.runner.vocab_size)
+        # Everything the stepping thread will use is converted here, so a bad value fails
+        # its caller and never a step: the salt's digest (hashing), the prompt's ids.
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
+        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
         token_ids = self._prompt_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
@@ -355,7 +360,7 @@ class Engine:
             f"req-{next(self._ids)}",
             token_ids,
             params,
-            cache_salt=cache_salt,
+            salt_digest=salt_digest,
             keep_logits=keep_logits,
         )
         self.scheduler.check_fits(request)

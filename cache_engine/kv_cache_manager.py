@@ -31,7 +31,7 @@ class CacheRequest(Protocol):
     request_id: Hashable
     token_ids: list[int]  # prompt + generated so far; grows
     num_prompt_tokens: int
-    cache_salt: str | None
+    salt_digest: bytes | None  # block_hash.digest_salt(cache_salt), computed by the caller
 
 
 @dataclass(slots=True)
@@ -184,7 +184,10 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if state is None:
             hasher = BlockHasher(
-                self.block_size, extra=self._extra, salt=request.cache_salt, algo=self._algo
+                self.block_size,
+                extra=self._extra,
+                salt_digest=request.salt_digest,
+                algo=self._algo,
             )
             state = self._requests[request.request_id] = _RequestState(hasher)
         return state

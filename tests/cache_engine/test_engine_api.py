@@ -122,6 +122,9 @@ def test_bad_input_raises_before_any_work_is_queued(engine, prompt, params, erro
         (lambda e: e.generate([[1, 2], [3]], [SamplingParams()]), "params"),
         (lambda e: e.generate([1, 2], {"max_tokens": 3}), "params"),
         (lambda e: e.generate([1, 2], cache_salt=7), "cache_salt"),
+        (lambda e: e.generate([1, 2], cache_salt="x" * 257), "cache_salt"),
+        (lambda e: e.generate([1, 2], cache_salt="lone \ud800"), "cache_salt"),
+        (lambda e: e.cached_prefix_length([1, 2], cache_salt="x" * 257), "cache_salt"),
     ],
 )
 def test_input_errors_name_the_offending_field(engine, call, param):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from ragkv.cache_engine import KVCacheManager
+from ragkv.cache_engine.block_hash import digest_salt
 
 
 @dataclass
@@ -18,6 +19,10 @@ class Req:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def salt_digest(self) -> bytes | None:
+        return None if self.cache_salt is None else digest_salt(self.cache_salt)
 
 
 def admit(manager: KVCacheManager, req: Req) -> tuple[list[int], int]:
@@ -113,6 +118,15 @@ def test_salted_requests_never_share_blocks():
     unsalted, _ = m.get_computed_blocks(Req(5, list(prompt)))
     assert len(salted) == len(unsalted) == 4
     assert not set(salted) & set(unsalted)
+
+
+def test_stored_hash_inputs_do_not_grow_with_the_salt():
+    m = KVCacheManager(num_blocks=32, block_size=4)
+    prompt = list(range(9))
+    short, _ = admit(m, Req(0, list(prompt), cache_salt="s"))[1], None
+    long, _ = admit(m, Req(1, list(prompt), cache_salt="t" * 256))[1], None
+    assert len(m.pool.hash_input[short[0]]) == len(m.pool.hash_input[long[0]])
+    assert m.pool.hash_input[short[0]] != m.pool.hash_input[long[0]]
 
 
 def test_different_extra_keys_never_share_blocks():
