@@ -139,6 +139,21 @@ class KVCacheManager:
         if state is not None:
             self.pool.free(reversed(state.block_ids))
 
+    def discard(self, request: CacheRequest, num_written_tokens: int) -> None:
+        """Free a request that failed mid-step, forgetting blocks whose K/V were never written.
+
+        Blocks from ``num_written_tokens // block_size`` on may have been registered at
+        allocation; those no other request holds lose their hash instead of staying findable.
+        """
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        unwritten = state.block_ids[num_written_tokens // self.block_size :]
+        self.pool.free(reversed(state.block_ids))
+        for block_id in unwritten:
+            if not self.pool.ref_counts[block_id]:
+                self.pool.forget(block_id)
+
     def block_table(self, request: CacheRequest) -> list[int]:
         """The request's block ids in token order (the live list: do not mutate)."""
         state = self._requests.get(request.request_id)

@@ -226,3 +226,17 @@ def test_caching_disabled_never_hits():
     admit(m, Req(0, list(range(9))))
     assert m.get_computed_blocks(Req(1, list(range(9)))) == ([], 0)
     assert not m.pool.cached
+
+
+def test_discarding_a_failed_request_forgets_its_unwritten_blocks():
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    written = Req(0, list(range(9)))
+    admit(m, written)
+    m.free(written)  # its K/V were written: its blocks stay findable
+    failed = Req(1, list(range(9)) + list(range(100, 109)))
+    computed, _ = admit(m, failed)  # registers blocks 2 and 3 before any K/V exists
+    assert len(computed) == 2
+    m.discard(failed, num_written_tokens=8)
+    probe = Req(2, list(failed.token_ids))
+    assert m.get_computed_blocks(probe)[1] == 8  # the written prefix, nothing past it
+    assert m.pool.num_free_blocks == 16
