@@ -432,8 +432,12 @@ class Engine:
                 raise InvalidInputError("prompt is empty", param="prompt")
             if not prompt.isascii():
                 _check_utf8(prompt, "prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            # Checked below like caller ids: a tokenizer may know more ids than the model has
+            # embeddings for, or none for this text; either would fail a shared step.
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not prompt:
+                raise InvalidInputError("prompt has no tokens once tokenized", param="prompt")
+        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise InvalidInputError(
                 f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
                 param="prompt",
