@@ -751,9 +751,13 @@ class Engine:
         )
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request taken in; each caller hears of it even if freeing one fails."""
         with self._lock:
             for request in list(self._requests.values()):
-                self.scheduler.finish(request, "abort")
+                try:
+                    self.scheduler.finish(request, "abort")
+                except Exception:  # shutting down or giving up: delivery matters more
+                    logger.exception("could not free request %s", request.request_id)
                 self._deliver(request, exc)
             self._requests.clear()
 
