@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ import pytest
 from support import save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.cache_engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, InvalidInputError
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -160,21 +162,39 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
     assert engine.health().ok
 
 
-def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(engine):
+def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(model_dir, monkeypatch):
+    # One request a step, so each failing step fails one request and the rest stay queued.
+    engine = Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048, max_num_seqs=1)
+    all_queued = threading.Event()
+    submit, submitted = engine._submit, []
+
+    def counting_submit(request, sink):
+        submit(request, sink)
+        submitted.append(request)
+        if len(submitted) == 5:
+            all_queued.set()
+
     def broken(batch):
+        all_queued.wait(TIMEOUT_S)
         raise RuntimeError("simulated device fault")
 
+    monkeypatch.setattr(engine, "_submit", counting_submit)
     engine.runner.execute = broken
-    calls = [in_thread(lambda s=s: engine.generate(ids(s), PARAMS)) for s in range(12, 20)]
-    for call in calls:
-        with pytest.raises((RuntimeError, EngineUnhealthyError)):
-            call.result(timeout=TIMEOUT_S)
-    health = engine.health()
-    assert not health.ok
-    assert health.consecutive_failures >= 3
-    assert "simulated device fault" in health.reason
-    with pytest.raises(EngineUnhealthyError, match="create a new Engine"):
-        engine.generate(ids(21), PARAMS)
+    with engine:
+        calls = [in_thread(lambda s=s: engine.generate(ids(s), PARAMS)) for s in range(12, 17)]
+        errors = []
+        for call in calls:
+            with pytest.raises((RuntimeError, EngineUnhealthyError)) as info:
+                call.result(timeout=TIMEOUT_S)
+            errors.append(type(info.value))
+        assert errors.count(RuntimeError) == MAX_CONSECUTIVE_STEP_FAILURES
+        assert errors.count(EngineUnhealthyError) == 5 - MAX_CONSECUTIVE_STEP_FAILURES
+        health = engine.health()
+        assert not health.ok and health.thread_alive
+        assert health.consecutive_failures == MAX_CONSECUTIVE_STEP_FAILURES
+        assert "simulated device fault" in health.reason
+        with pytest.raises(EngineUnhealthyError, match="create a new Engine"):
+            engine.generate(ids(21), PARAMS)
 
 
 def test_health_of_a_working_and_a_closed_engine(model_dir):
