@@ -123,8 +123,8 @@ def test_salted_requests_never_share_blocks():
 def test_stored_hash_inputs_do_not_grow_with_the_salt():
     m = KVCacheManager(num_blocks=32, block_size=4)
     prompt = list(range(9))
-    short, _ = admit(m, Req(0, list(prompt), cache_salt="s"))[1], None
-    long, _ = admit(m, Req(1, list(prompt), cache_salt="t" * 256))[1], None
+    _, short = admit(m, Req(0, list(prompt), cache_salt="s"))
+    _, long = admit(m, Req(1, list(prompt), cache_salt="t" * 256))
     assert len(m.pool.hash_input[short[0]]) == len(m.pool.hash_input[long[0]])
     assert m.pool.hash_input[short[0]] != m.pool.hash_input[long[0]]
 
