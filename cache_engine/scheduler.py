@@ -142,17 +142,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            try:
-                while self.kv.allocate_slots(request, num_new) is None:
-                    # Requests before i are already scheduled this step; the victim is always
-                    # the youngest, at the end of the list, so it is never one of them.
-                    victim = self.running.pop()
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                    if victim is request:
-                        return budget
-            except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
-                self._fail(request, exc, out)
+            allocated = None
+            while True:
+                try:
+                    allocated = self.kv.allocate_slots(request, num_new)
+                except Exception as exc:  # hashing its new full blocks: it alone fails
+                    self._fail(request, exc, out)
+                    break
+                if allocated is not None:
+                    break
+                # Requests before i are already scheduled this step; the victim is always
+                # the youngest, at the end of the list, so it is never one of them.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            if allocated is None:  # failed and removed: i is now the next request
                 continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
