@@ -18,11 +18,19 @@ from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from ragkv.cache_engine.engine import Engine
-    from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
+    from ragkv.cache_engine.outputs import (
+        EngineHealth,
+        EngineStats,
+        Output,
+        StreamDelta,
+        Timings,
+        Usage,
+    )
     from ragkv.cache_engine.sampling_params import SamplingParams
 
 _LAZY = {
     "Engine": "ragkv.cache_engine.engine",
+    "EngineHealth": "ragkv.cache_engine.outputs",
     "EngineStats": "ragkv.cache_engine.outputs",
     "Output": "ragkv.cache_engine.outputs",
     "StreamDelta": "ragkv.cache_engine.outputs",
@@ -41,6 +49,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Engine",
+    "EngineHealth",
     "EngineStats",
     "Output",
     "SamplingParams",

@@ -3,7 +3,9 @@
 ``hash_i = H(hash_{i-1} ‖ tokens_i as little-endian int32 ‖ extras_i)`` with a fixed root
 seed as ``hash_{-1}``. ``extras_i`` are the manager's extra keys (e.g. the model identity),
 domain-tagged and length-prefixed; a cache salt is appended to the first block's extras only,
-so it changes every hash of the chain.
+so it changes every hash of the chain. The salt enters as its 32-byte blake3 digest
+(:func:`digest_salt`), never raw: the stored hash input of a block is the same size whatever
+the salt, and a tenant's salt is not kept in memory.
 
 Python overhead per block is the cost that matters: token ids are packed to bytes in one
 call, numpy splits them into per-block records (extras appended) in one more, and the
@@ -25,6 +27,10 @@ HashFn = Callable[[bytes], bytes]
 ExtraKeys = Sequence[tuple[str, bytes | str]]
 
 _ROOT_LABEL = b"ragkv/block_hash/root/v1"
+_SALT_LABEL = b"ragkv/cache_salt/v1\0"
+# A salt names a tenant or a user; 256 bytes is room for any id or token and keeps hashing
+# a salt, done in the caller's thread, trivially cheap.
+MAX_SALT_BYTES = 256
 
 
 def _blake3_digest() -> HashFn:
@@ -48,6 +54,38 @@ _ALGOS: dict[str, Callable[[], HashFn]] = {
     "xxh3_128": lambda: xxhash.xxh3_128_digest,
     "blake3": _blake3_digest,
 }
+
+
+def digest_salt(salt: str | bytes) -> bytes:
+    """The fixed-size key a ``cache_salt`` adds to the first block's hash input.
+
+    blake3 (a cryptographic hash: salts isolate tenants, so two salts must never be made to
+    collide) of the salt's UTF-8 bytes, domain-tagged. Raises
+    :class:`~ragkv.errors.InvalidInputError` (``param="cache_salt"``) for a non-string, a
+    string with no UTF-8 form (lone surrogates) or one over ``MAX_SALT_BYTES`` bytes.
+    """
+    if isinstance(salt, str):
+        try:
+            data = salt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(
+                f"cache_salt is not valid Unicode ({exc.reason} at index {exc.start}); "
+                "use UTF-8 text without lone surrogates",
+                param="cache_salt",
+            ) from None
+    elif isinstance(salt, bytes | bytearray):
+        data = bytes(salt)
+    else:
+        raise InvalidInputError(
+            f"cache_salt must be a string, got {type(salt).__name__}", param="cache_salt"
+        )
+    if len(data) > MAX_SALT_BYTES:
+        raise InvalidInputError(
+            f"cache_salt is {len(data)} UTF-8 bytes; the limit is {MAX_SALT_BYTES}. Use a "
+            "tenant or user id (or a hash of a longer secret) as the salt",
+            param="cache_salt",
+        )
+    return blake3(_SALT_LABEL + data).digest()
 
 
 def encode_extra_keys(extra: ExtraKeys) -> bytes:
@@ -120,6 +158,8 @@ class BlockHasher:
 
     ``extend`` takes the *new* tokens and hashes only blocks that became full; the partial
     tail waits for the next call. ``hashes[i]`` identifies block ``i`` and everything before.
+    Pass a cache salt as ``salt`` (digested here) or, already digested by
+    :func:`digest_salt` in the caller's thread, as ``salt_digest``.
     """
 
     __slots__ = (
@@ -140,18 +180,23 @@ class BlockHasher:
         *,
         extra: ExtraKeys | bytes = (),
         salt: str | bytes | None = None,
+        salt_digest: bytes | None = None,
         algo: str | HashFn = "xxh3_128",
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
+        if salt is not None:
+            if salt_digest is not None:
+                raise ConfigError("pass salt or salt_digest, not both")
+            salt_digest = digest_salt(salt)
         self._one = resolve_algo(algo)
         self.block_size = block_size
         self.hashes: list[bytes] = []
         self.num_tokens = 0
         self._extra = extra if isinstance(extra, bytes) else encode_extra_keys(extra)
         self._first_extra = self._extra
-        if salt is not None:
-            self._first_extra += _encode_key("salt", salt)
+        if salt_digest is not None:
+            self._first_extra += _encode_key("salt", salt_digest)
         self._root = self._one(_ROOT_LABEL)
         self.inputs: list[bytes] = []  # inputs[i]: the exact bytes hashed into hashes[i]
         self._tail: list[int] = []

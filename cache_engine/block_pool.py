@@ -113,6 +113,14 @@ class BlockPool:
         self.num_collisions += 1
         return False
 
+    def forget(self, block_id: int) -> None:
+        """Unregister one block's hash (its K/V cannot be trusted); it stays allocated or free."""
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hash[block_id] = None
+            self.hash_input[block_id] = None
+
     def reset(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
         if len(self._free) != self.num_blocks:

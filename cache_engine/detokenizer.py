@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -53,8 +54,10 @@ class IncrementalDetokenizer:
             eos_token_ids = [] if eos is None else [eos]
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
+        # Built here, in the caller's thread: the stepping thread only runs the search.
+        self._stops = StopMatcher(params.stop)
         # A stop string that is kept in the output can be streamed as it forms.
-        longest = max((len(s) for s in params.stop), default=0)
+        longest = self._stops.max_len
         self._hold = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -122,13 +125,7 @@ class IncrementalDetokenizer:
 
     def _find_stop_string(self) -> bool:
         """Finish on the earliest stop string that ends in the newly added text."""
-        # A match must end past _searched_upto: start each search len(stop) - 1 chars before.
-        best: tuple[int, str] | None = None
-        for stop in self.params.stop:
-            start = max(self._searched_upto - len(stop) + 1, 0)
-            at = self._text.find(stop, start)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
+        best = self._stops.search(self._text, self._searched_upto)
         self._searched_upto = len(self._text)
         if best is None:
             return False
@@ -150,6 +147,31 @@ class IncrementalDetokenizer:
         delta = self._text[self._emitted : end]
         self._emitted = end
         return delta
+
+
+class StopMatcher:
+    """The earliest of a few stop strings in a text that only grows at its end.
+
+    One compiled alternation of the escaped strings, in the given order: the regex engine
+    returns the leftmost match, and at one position the first listed string that matches,
+    which is exactly "earliest start, ties to the first listed". Each search starts
+    ``max_len - 1`` characters before the already searched end (no earlier match can exist:
+    it would have ended the request), so a token costs a scan of ``max_len + len(new text)``
+    characters, never the whole text and not once per stop string.
+    """
+
+    __slots__ = ("max_len", "_pattern")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.max_len = max(map(len, stops), default=0)
+        self._pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
+
+    def search(self, text: str, searched_upto: int) -> tuple[int, str] | None:
+        """``(start, stop)`` of the earliest match ending past ``searched_upto``, or None."""
+        if self._pattern is None:
+            return None
+        match = self._pattern.search(text, max(searched_upto - self.max_len + 1, 0))
+        return None if match is None else (match.start(), match.group())
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:

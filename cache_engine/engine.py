@@ -2,12 +2,26 @@
 
 One background thread steps the scheduler and the model; callers (sync, streaming or
 asyncio, from any number of threads) submit requests and receive events through a
-per-request sink. All validation happens in the caller's thread, before anything is queued.
+per-request sink.
+
+No request can hurt another (Invariant 9):
+
+- every per-request input is validated *and converted* in the caller's thread, before it is
+  queued (token ids, the salt's digest, the stop matcher), so a bad value fails its caller;
+- in the stepping thread, work done for one request (its hashing and admission, its
+  detokenization and stop check, the delivery to its caller) is wrapped so that an error
+  fails that request alone, waiting or running;
+- a step that fails for no single request (the forward pass, the batched sampler) fails the
+  requests it ran; after ``MAX_CONSECUTIVE_STEP_FAILURES`` such steps in a row the engine
+  declares itself unhealthy, fails everything queued with
+  :class:`~ragkv.errors.EngineUnhealthyError` and refuses new requests. :meth:`Engine.health`
+  reports it (and a stepping thread that died).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -20,11 +34,19 @@ from typing import Any
 
 import torch
 
+from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.detokenizer import IncrementalDetokenizer
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelInput, ModelRunner
 from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
-from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
+from ragkv.cache_engine.outputs import (
+    EngineHealth,
+    EngineStats,
+    Output,
+    StreamDelta,
+    Timings,
+    Usage,
+)
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import Sampler, make_generator
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -32,6 +54,7 @@ from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulePolicy, Schedul
 from ragkv.errors import (
     ConfigError,
     EngineClosedError,
+    EngineUnhealthyError,
     InvalidInputError,
     PromptTooLongError,
     RagkvError,
@@ -44,6 +67,9 @@ Prompt = str | Sequence[int]
 Sink = Callable[[StreamDelta | BaseException], None]
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Steps that fail for no single request, in a row, before the engine gives up: one can be
+# a transient fault (an allocation spike), three in a row is a broken device or model.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class Engine:
@@ -95,6 +121,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Health, written by the stepping thread only (read without the lock: plain values).
+        self._consecutive_failures = 0
+        self._last_step_end: float | None = None
+        self._unhealthy: str | None = None  # why the engine gave up; None while healthy
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -189,14 +219,16 @@ class Engine:
         single = _is_single_prompt(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
-            raise InvalidInputError("generate() needs at least one prompt")
+            raise InvalidInputError("generate() needs at least one prompt", param="prompt")
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
         else:
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidInputError(
-                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts"
+                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts; pass one "
+                    "SamplingParams for all or one per prompt",
+                    param="params",
                 )
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         requests = [
@@ -288,8 +320,9 @@ class Engine:
         """How many leading tokens of ``token_ids`` are cached now (what a request would reuse)."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
+        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
         probe = Request(f"probe-{next(self._ids)}", list(token_ids), SamplingParams())
-        probe.cache_salt = cache_salt
+        probe.salt_digest = salt_digest
         with self._lock:
             try:
                 return self.kv.get_computed_blocks(probe, record=False)[1]
@@ -311,6 +344,32 @@ class Engine:
         """Forget every cached block that no running request holds; False if some are in use."""
         with self._lock:
             return self.kv.reset_prefix_cache()
+
+    def health(self) -> EngineHealth:
+        """Whether the engine can serve: its stepping thread runs and steps keep succeeding.
+
+        ``ok`` is False once the engine is closed, its stepping thread died, or
+        ``MAX_CONSECUTIVE_STEP_FAILURES`` steps in a row failed for no single request.
+        ``thread_alive`` is False before the first request starts the thread.
+        ``last_step_age_s`` (seconds since the last step finished, None before the first)
+        tells a stuck step apart from an idle engine when ``busy`` is True.
+        """
+        thread = self._thread
+        alive = thread is not None and thread.is_alive()
+        reason = self._unhealthy
+        if reason is None and self._closed:
+            reason = "the engine is closed"
+        elif reason is None and thread is not None and not alive:
+            reason = "the stepping thread stopped"
+        last = self._last_step_end
+        return EngineHealth(
+            ok=reason is None,
+            thread_alive=alive,
+            last_step_age_s=None if last is None else time.monotonic() - last,
+            busy=bool(self._requests) or not self._inbox.empty(),
+            consecutive_failures=self._consecutive_failures,
+            reason=reason,
+        )
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`."""
@@ -334,23 +393,30 @@ class Engine:
     ) -> Request:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new Engine")
+        self._check_healthy()
         if not isinstance(params, SamplingParams):
-            raise InvalidInputError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise InvalidInputError(
+                f"params must be SamplingParams, got {type(params).__name__}", param="params"
+            )
         params.validate(vocab_size=self.runner.vocab_size)
+        # Everything the stepping thread will use is converted here, so a bad value fails
+        # its caller and never a step: the salt's digest (hashing), the prompt's ids.
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidInputError("cache_salt must be a string or None")
+            raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
+        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
         token_ids = self._prompt_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
                 "and at least one token must be generated. Shorten the prompt (e.g. "
-                "Assembler(max_prompt_tokens=...)) or use a model with a longer context"
+                "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
+                param="prompt",
             )
         request = Request(
             f"req-{next(self._ids)}",
             token_ids,
             params,
-            cache_salt=cache_salt,
+            salt_digest=salt_digest,
             keep_logits=keep_logits,
         )
         self.scheduler.check_fits(request)
@@ -363,20 +429,28 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidInputError("prompt is empty")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+                raise InvalidInputError("prompt is empty", param="prompt")
+            if not prompt.isascii():
+                _check_utf8(prompt, "prompt")
+            # Checked below like caller ids: a tokenizer may know more ids than the model has
+            # embeddings for, or none for this text; either would fail a shared step.
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not prompt:
+                raise InvalidInputError("prompt has no tokens once tokenized", param="prompt")
+        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise InvalidInputError(
-                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
+                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
+                param="prompt",
             )
         ids = list(prompt)
         if not ids:
-            raise InvalidInputError("prompt is empty: pass at least one token id")
+            raise InvalidInputError("prompt is empty: pass at least one token id", param="prompt")
         vocab = self.runner.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidInputError(
-                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}"
+                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}",
+                    param="prompt",
                 )
         return ids
 
@@ -385,8 +459,13 @@ class Engine:
         with self._intake:
             if self._closed:
                 raise EngineClosedError("the engine is closed; create a new Engine")
+            self._check_healthy()
             self._ensure_thread()
             self._inbox.put(("add", request))
+
+    def _check_healthy(self) -> None:
+        if self._unhealthy is not None:
+            raise EngineUnhealthyError(self._unhealthy_message())
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -399,6 +478,21 @@ class Engine:
 
     # -- the stepping thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the thread is ending: nobody may wait forever
+            logger.exception("engine stepping thread died")
+            error = self._give_up(f"the stepping thread died: {exc!r}", exc)
+            while True:  # submissions queued but never taken in
+                try:
+                    command, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if command == "add":
+                    self._deliver(arg, error)
+            raise
+
+    def _serve(self) -> None:
         while True:
             block = not self.scheduler.has_unfinished()
             try:
@@ -417,16 +511,22 @@ class Engine:
             if self.scheduler.has_unfinished():
                 try:
                     self._step()
-                except Exception as exc:  # keep serving: fail only the requests in flight
+                except Exception as exc:  # pinned on no request: fail those in flight
                     logger.exception("engine step failed")
-                    self._fail_running(exc)
+                    self._step_failed(exc)
+                else:
+                    self._consecutive_failures = 0
+                self._last_step_end = time.monotonic()
 
     def _handle(self, command: str, arg: Any) -> None:
         with self._lock:
             if command == "add":
+                if self._unhealthy is not None:
+                    self._deliver(arg, EngineUnhealthyError(self._unhealthy_message()))
+                    return
                 try:
                     self.scheduler.add(arg)
-                except RagkvError as exc:
+                except Exception as exc:  # e.g. it cannot fit: its caller must hear of it
                     self._deliver(arg, exc)
                     return
                 self._requests[arg.request_id] = arg
@@ -434,14 +534,18 @@ class Engine:
                 request = self._requests.get(arg)
                 if request is not None:
                     self.scheduler.finish(request, "abort")
-                    self._emit_final(request, request.detokenizer.flush(), [])
+                    with self._failing_alone(request):
+                        self._emit_final(request, request.detokenizer.flush(), [])
 
     def _step(self) -> None:
         started = time.perf_counter()
         with self._lock:
             scheduled = self.scheduler.schedule()
+            for request, exc in scheduled.failed:
+                self._fail_request(request, exc)
             if not scheduled.chunks:
-                self._fail_unschedulable()
+                if not scheduled.failed:
+                    self._fail_unschedulable()
                 return
             batch, sample_rows, logit_rows = self._build_input(scheduled.chunks)
         model_start = time.perf_counter()
@@ -524,7 +628,8 @@ class Engine:
             request.token_ids.append(token)
             if request.params.logprobs is not None:
                 request.logprobs.append(sampled.logprobs[i])
-            self._advance(request, token)
+            with self._failing_alone(request):
+                self._advance(request, token)
 
     def _advance(self, request: Request, token: int) -> None:
         detok = request.detokenizer
@@ -592,8 +697,25 @@ class Engine:
                 self.scheduler.finish(request, "abort")
             self._requests.pop(request.request_id, None)
 
-    def _fail_running(self, exc: BaseException) -> None:
-        """After a failed step: fail the requests that hold blocks, forget the cache."""
+    @contextlib.contextmanager
+    def _failing_alone(self, request: Request) -> Iterator[None]:
+        """Run work done for ``request`` alone: an error in it fails that request only."""
+        try:
+            yield
+        except Exception as exc:
+            logger.exception("request %s failed", request.request_id)
+            if not request.finished:
+                self.scheduler.finish(request, "abort")
+            self._fail_request(request, exc)
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """Deliver a request's own failure (it is already finished and freed)."""
+        self._requests.pop(request.request_id, None)
+        self._deliver(request, exc)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step failed for no single request: fail the ones that ran, count it, maybe give up."""
+        self._consecutive_failures += 1
         with self._lock:
             for request in list(self.scheduler.running):
                 self.scheduler.finish(request, "abort")
@@ -603,13 +725,53 @@ class Engine:
             # K/V were written; no request holds a block now, so this forgets all of them
             # and no later request can hit one.
             self.kv.reset_prefix_cache()
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._give_up(
+                f"{self._consecutive_failures} engine steps in a row failed, the last with "
+                f"{type(exc).__name__}: {exc}",
+                exc,
+            )
+
+    def _give_up(self, reason: str, cause: BaseException) -> EngineUnhealthyError:
+        """Mark the engine unhealthy and fail every request it holds.
+
+        From now on submissions are refused in the caller's thread, and any already in the
+        inbox are failed when the stepping thread takes them in.
+        """
+        with self._intake:  # orders the mark against submissions (see _submit)
+            self._unhealthy = reason
+        error = EngineUnhealthyError(self._unhealthy_message())
+        error.__cause__ = cause
+        self._fail_all(error)
+        return error
+
+    def _unhealthy_message(self) -> str:
+        return (
+            f"the engine is unhealthy ({self._unhealthy}); create a new Engine (restart the server)"
+        )
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request taken in; each caller hears of it even if freeing one fails."""
         with self._lock:
             for request in list(self._requests.values()):
-                self.scheduler.finish(request, "abort")
+                try:
+                    self.scheduler.finish(request, "abort")
+                except Exception:  # shutting down or giving up: delivery matters more
+                    logger.exception("could not free request %s", request.request_id)
                 self._deliver(request, exc)
             self._requests.clear()
+
+
+def _check_utf8(text: str, param: str) -> None:
+    """Refuse text that has no UTF-8 form (lone surrogates, e.g. from a bad JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{param} is not valid Unicode: {exc.reason} at index {exc.start} "
+            f"({text[exc.start : exc.end]!r}); send UTF-8 text without lone surrogates",
+            param=param,
+        ) from None
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -31,7 +31,7 @@ class CacheRequest(Protocol):
     request_id: Hashable
     token_ids: list[int]  # prompt + generated so far; grows
     num_prompt_tokens: int
-    cache_salt: str | None
+    salt_digest: bytes | None  # block_hash.digest_salt(cache_salt), computed by the caller
 
 
 @dataclass(slots=True)
@@ -139,6 +139,21 @@ class KVCacheManager:
         if state is not None:
             self.pool.free(reversed(state.block_ids))
 
+    def discard(self, request: CacheRequest, num_written_tokens: int) -> None:
+        """Free a request that failed mid-step, forgetting blocks whose K/V were never written.
+
+        Blocks from ``num_written_tokens // block_size`` on may have been registered at
+        allocation; those no other request holds lose their hash instead of staying findable.
+        """
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        unwritten = state.block_ids[num_written_tokens // self.block_size :]
+        self.pool.free(reversed(state.block_ids))
+        for block_id in unwritten:
+            if not self.pool.ref_counts[block_id]:
+                self.pool.forget(block_id)
+
     def block_table(self, request: CacheRequest) -> list[int]:
         """The request's block ids in token order (the live list: do not mutate)."""
         state = self._requests.get(request.request_id)
@@ -184,7 +199,10 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if state is None:
             hasher = BlockHasher(
-                self.block_size, extra=self._extra, salt=request.cache_salt, algo=self._algo
+                self.block_size,
+                extra=self._extra,
+                salt_digest=request.salt_digest,
+                algo=self._algo,
             )
             state = self._requests[request.request_id] = _RequestState(hasher)
         return state

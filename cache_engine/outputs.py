@@ -103,3 +103,15 @@ class EngineStats:
     @property
     def pool_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """What :meth:`Engine.health` reports; ``reason`` says why ``ok`` is False."""
+
+    ok: bool
+    thread_alive: bool
+    last_step_age_s: float | None  # since the last finished step; None before the first
+    busy: bool  # requests queued or in flight
+    consecutive_failures: int  # steps in a row that failed for no single request
+    reason: str | None

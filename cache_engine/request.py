@@ -29,7 +29,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache_salt: str | None = None
+    salt_digest: bytes | None = None  # block_hash.digest_salt(cache_salt); the salt is not kept
     keep_logits: bool = False
     arrival_time: float = field(default_factory=time.perf_counter)
 

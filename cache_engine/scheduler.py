@@ -6,6 +6,10 @@ requests from the waiting queue, each starting after its longest cached prefix. 
 pool cannot hold a running request's next slice, the youngest running request is
 preempted: its blocks are freed (they stay findable in the prefix cache) and it goes back
 to the front of the waiting queue to be recomputed. Pure Python, no torch.
+
+A request whose own scheduling work raises (hashing its blocks, a lookup, an allocation)
+is taken out of the queues alone and reported in ``SchedulerOutput.failed``; the others
+are scheduled as if it had never been there (Invariant 9).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # finished, freed
 
 
 class Scheduler:
@@ -90,7 +95,8 @@ class Scheduler:
             raise PromptTooLongError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {prompt_blocks} KV blocks "
                 f"but the whole pool has {self.kv.pool.num_blocks} (block size "
-                f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens"
+                f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens",
+                param="prompt",
             )
         needed = self.blocks_needed(request)
         if needed > self.kv.pool.num_blocks:
@@ -98,7 +104,8 @@ class Scheduler:
                 f"request {request.request_id} needs {needed} KV blocks "
                 f"({request.num_prompt_tokens} prompt tokens + max_tokens "
                 f"{request.params.max_tokens}, block size {self.kv.block_size}) but the whole "
-                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens"
+                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens",
+                param="max_tokens",
             )
 
     def add(self, request: Request) -> None:
@@ -135,7 +142,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            allocated = None
+            while True:
+                try:
+                    allocated = self.kv.allocate_slots(request, num_new)
+                except Exception as exc:  # hashing its new full blocks: it alone fails
+                    self._fail(request, exc, out)
+                    break
+                if allocated is not None:
+                    break
                 # Requests before i are already scheduled this step; the victim is always
                 # the youngest, at the end of the list, so it is never one of them.
                 victim = self.running.pop()
@@ -143,6 +158,8 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     return budget
+            if allocated is None:  # failed and removed: i is now the next request
+                continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
             i += 1
@@ -150,14 +167,19 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if self.policy == "longest-prefix" and len(self.waiting) > 1:
-            self._order_by_cached_prefix()
+            self._order_by_cached_prefix(out)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            blocks, num_computed = [], 0
-            if self.enable_prefix_caching:
-                blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
-            num_new = min(request.num_tokens - num_computed, budget)
-            if self.kv.allocate_slots(request, num_new, blocks) is None:
+            try:
+                blocks, num_computed = [], 0
+                if self.enable_prefix_caching:
+                    blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
+                num_new = min(request.num_tokens - num_computed, budget)
+                allocated = self.kv.allocate_slots(request, num_new, blocks)
+            except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
+                self._fail(request, exc, out)
+                continue
+            if allocated is None:
                 break
             if self.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
@@ -170,14 +192,38 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, num_computed, num_new))
             budget -= num_new
 
-    def _order_by_cached_prefix(self) -> None:
-        def cached(request: Request) -> int:
-            if not self.enable_prefix_caching:
-                return 0
-            return self.kv.get_computed_blocks(request, record=False)[1]
-
-        ranked = sorted(self.waiting, key=lambda r: (-cached(r), r.arrival_time))
+    def _order_by_cached_prefix(self, out: SchedulerOutput) -> None:
+        cached: dict[Request, int] = {}
+        for request in list(self.waiting):
+            try:
+                cached[request] = (
+                    self.kv.get_computed_blocks(request, record=False)[1]
+                    if self.enable_prefix_caching
+                    else 0
+                )
+            except Exception as exc:  # its own hashing: it alone fails
+                self._fail(request, exc, out)
+        ranked = sorted(self.waiting, key=lambda r: (-cached[r], r.arrival_time))
         self.waiting = deque(ranked)
+
+    def _fail(self, request: Request, exc: Exception, out: SchedulerOutput) -> None:
+        """Take a request whose own processing raised out of the queues, alone.
+
+        Its blocks past ``num_computed_tokens`` may be registered in the prefix cache
+        without K/V (registration happens at allocation, before the step runs): they are
+        forgotten, not left findable. No other request can hold them yet: a later request
+        of this step would have hit them, and none has been scheduled after this one.
+        """
+        logger.exception("request %s failed while being scheduled", request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "abort"
+        self.kv.discard(request, request.num_computed_tokens)
+        out.failed.append((request, exc))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

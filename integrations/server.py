@@ -119,7 +119,15 @@ class _Served:
 def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 lets a supervisor restart a server whose engine died or keeps failing.
+        probe = getattr(served.engine, "health", None)
+        if probe is None:  # an engine without a health report (e.g. a remote one)
+            return Response(status_code=200)
+        report = probe()
+        if not report.ok:
+            return JSONResponse({"status": "unhealthy", "reason": report.reason}, 503)
+        fields = {f: getattr(report, f) for f in report.__dataclass_fields__}
+        return JSONResponse({"status": "ok", **fields})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

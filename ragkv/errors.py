@@ -54,6 +54,14 @@ class EngineClosedError(RagkvError):
     """The engine was shut down; create a new one."""
 
 
+class EngineUnhealthyError(RagkvError):
+    """The engine's stepping thread died, or its steps kept failing for no single request.
+
+    Requests still queued fail with this error and new ones are refused; ``Engine.health()``
+    reports the reason. Create a new Engine (a server should be restarted).
+    """
+
+
 class RequestAbortedError(RagkvError):
     """A request was aborted (client disconnect, timeout or explicit abort)."""
 
@@ -83,6 +91,7 @@ __all__ = [
     "CacheCapacityError",
     "ConfigError",
     "EngineClosedError",
+    "EngineUnhealthyError",
     "InvalidChunkError",
     "InvalidInputError",
     "MissingDependencyError",

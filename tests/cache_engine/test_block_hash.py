@@ -33,7 +33,8 @@ def tagged(kind: bytes, value: bytes) -> bytes:
 def test_block_hashes_follow_the_documented_chained_formula():
     tokens = list(range(1000, 1037))
     got = block_hashes(tokens, 8, extra=[("model", b"m1")], salt="s")
-    want = reference_hashes(tokens, 8, tagged(b"model", b"m1"), tagged(b"salt", b"s"))
+    salt = blake3(b"ragkv/cache_salt/v1\0s").digest()  # the salt enters as a fixed-size digest
+    want = reference_hashes(tokens, 8, tagged(b"model", b"m1"), tagged(b"salt", salt))
     assert got == want
     assert len(got) == 4  # the partial tail is not hashed
 
@@ -108,3 +109,22 @@ def test_bad_inputs_raise_ragkv_errors():
         block_hashes([1] * 4, 4, algo="md5")
     with pytest.raises(ConfigError):
         BlockHasher(0)
+
+
+def test_the_salt_enters_the_hash_input_as_a_fixed_size_digest():
+    tokens = list(range(8))
+    short, long = BlockHasher(4, salt="a"), BlockHasher(4, salt="b" * bh.MAX_SALT_BYTES)
+    short.extend(tokens)
+    long.extend(tokens)
+    assert [len(x) for x in short.inputs] == [len(x) for x in long.inputs]
+    assert short.hashes[0] != long.hashes[0]
+    assert bh.digest_salt("a") == bh.digest_salt(b"a") != bh.digest_salt("b")
+
+
+@pytest.mark.parametrize(
+    "salt", ["x" * (bh.MAX_SALT_BYTES + 1), "\u00e9" * 129, "lone \ud800", 7, None]
+)
+def test_bad_salts_are_refused_naming_cache_salt(salt):
+    with pytest.raises(InvalidInputError) as info:
+        bh.digest_salt(salt)
+    assert info.value.param == "cache_salt"

@@ -4,7 +4,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ragkv.cache_engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from ragkv.cache_engine.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    StopMatcher,
+)
 from ragkv.cache_engine.sampling_params import SamplingParams
 
 CORPUS = [
@@ -177,7 +181,7 @@ def _first_completed_stop(text: str, stops: list[str]) -> str:
 )
 @given(
     text=st.text(alphabet="ab\n", max_size=30),
-    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), min_size=1, max_size=3),
+    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), min_size=1, max_size=4),
 )
 def test_stop_strings_never_leak_into_streamed_deltas(byte_bpe, text, stops):
     final = _first_completed_stop(text, stops)
@@ -266,3 +270,23 @@ def test_real_default_model_tokenizer_streams_exactly(smollm2_tokenizer):
     assert "".join(deltas) == detok.text == expected
     assert expected.endswith("Ends here")
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_matching_rescans_only_the_tail_that_can_hold_a_new_match():
+    matcher = StopMatcher(["abc", "xy"])
+    assert matcher.max_len == 3
+    text = "xy" + "-" * 10 + "abc"
+    # Searched up to 12 before "abc" arrived: a match must end past 12, so the scan starts at
+    # 12 - 3 + 1 = 10 and the old "xy" at 0 is never looked at again.
+    assert matcher.search(text, 12) == (12, "abc")
+    assert matcher.search(text, 3) == (12, "abc")
+    assert matcher.search(text, 0) == (0, "xy")
+    assert matcher.search("ab", 0) is None
+    assert StopMatcher([]).search("anything", 0) is None
+
+
+def test_earliest_stop_wins_and_ties_go_to_the_first_listed():
+    assert StopMatcher(["bc", "abcd"]).search("xxabcd", 0) == (2, "abcd")
+    assert StopMatcher(["ab", "abc"]).search("xabc", 0) == (1, "ab")
+    assert StopMatcher(["abc", "ab"]).search("xabc", 0) == (1, "abc")
+    assert StopMatcher(["a.c", "(x"]).search("abc (x a.c", 0) == (4, "(x")  # literals

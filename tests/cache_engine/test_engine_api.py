@@ -97,16 +97,50 @@ def test_block_size_must_be_a_multiple_of_8(llama_dir):
         ([1, 2, 512], None, InvalidInputError, "outside the vocabulary"),
         ([1, -1], None, InvalidInputError, "outside the vocabulary"),
         ([1, 2.5], None, InvalidInputError, "outside the vocabulary"),
-        ([1, 2], SamplingParams(max_tokens=0), InvalidInputError, "max_tokens"),
-        ([1, 2], SamplingParams(temperature=-1.0), InvalidInputError, "temperature"),
-        ([1, 2], SamplingParams(top_p=0.0), InvalidInputError, "top_p"),
+        ([1, 2], {"max_tokens": 0}, InvalidInputError, "max_tokens"),
+        ([1, 2], {"temperature": -1.0}, InvalidInputError, "temperature"),
+        ([1, 2], {"top_p": 0.0}, InvalidInputError, "top_p"),
         ([5] * 2048, None, PromptTooLongError, "context"),
+        ("lone \ud800 surrogate", None, InvalidInputError, "prompt"),
     ],
 )
 def test_bad_input_raises_before_any_work_is_queued(engine, prompt, params, error, match):
     with pytest.raises(error, match=match):
-        engine.generate(prompt, params)
+        engine.generate(prompt, None if params is None else SamplingParams(**params))
     assert engine.stats().steps == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (lambda e: e.generate([]), "prompt"),
+        (lambda e: e.generate(""), "prompt"),
+        (lambda e: e.generate("lone \ud800 surrogate"), "prompt"),
+        (lambda e: e.generate([1, 512]), "prompt"),
+        (lambda e: e.generate(b"bytes"), "prompt"),
+        (lambda e: e.generate([5] * 2048), "prompt"),
+        (lambda e: e.generate([[1, 2], [3]], [SamplingParams()]), "params"),
+        (lambda e: e.generate([1, 2], {"max_tokens": 3}), "params"),
+        (lambda e: e.generate([1, 2], cache_salt=7), "cache_salt"),
+        (lambda e: e.generate([1, 2], cache_salt="x" * 257), "cache_salt"),
+        (lambda e: e.generate([1, 2], cache_salt="lone \ud800"), "cache_salt"),
+        (lambda e: e.cached_prefix_length([1, 2], cache_salt="x" * 257), "cache_salt"),
+    ],
+)
+def test_input_errors_name_the_offending_field(engine, call, param):
+    with pytest.raises(InvalidInputError) as info:
+        call(engine)
+    assert info.value.param == param
+
+
+def test_capacity_errors_name_the_field_to_change(llama_dir):
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=64) as small:
+        with pytest.raises(PromptTooLongError) as too_long:
+            small.generate(ids(0, 100))
+        with pytest.raises(CacheCapacityError) as too_big:
+            small.generate(ids(0, 60), SamplingParams(max_tokens=20))
+    assert too_long.value.param == "prompt"
+    assert too_big.value.param == "max_tokens"
 
 
 def test_request_larger_than_the_pool_is_refused(llama_dir):
@@ -236,3 +270,15 @@ def test_closed_engine_refuses_new_requests(llama_dir):
     engine.close()
     with pytest.raises(RagkvError, match="closed"):
         engine.generate([1, 2, 3])
+
+
+def test_string_prompt_ids_are_checked_against_the_model_vocabulary(engine, monkeypatch):
+    vocab = engine.runner.vocab_size
+    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": [1, vocab]})
+    with pytest.raises(InvalidInputError, match="outside the vocabulary") as info:
+        engine.generate("a tokenizer with more ids than the model")
+    assert info.value.param == "prompt"
+    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": []})
+    with pytest.raises(InvalidInputError, match="no tokens") as info:
+        engine.generate("   ")
+    assert engine.stats().steps == 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from ragkv.cache_engine import KVCacheManager
+from ragkv.cache_engine.block_hash import digest_salt
 
 
 @dataclass
@@ -18,6 +19,10 @@ class Req:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def salt_digest(self) -> bytes | None:
+        return None if self.cache_salt is None else digest_salt(self.cache_salt)
 
 
 def admit(manager: KVCacheManager, req: Req) -> tuple[list[int], int]:
@@ -113,6 +118,15 @@ def test_salted_requests_never_share_blocks():
     unsalted, _ = m.get_computed_blocks(Req(5, list(prompt)))
     assert len(salted) == len(unsalted) == 4
     assert not set(salted) & set(unsalted)
+
+
+def test_stored_hash_inputs_do_not_grow_with_the_salt():
+    m = KVCacheManager(num_blocks=32, block_size=4)
+    prompt = list(range(9))
+    _, short = admit(m, Req(0, list(prompt), cache_salt="s"))
+    _, long = admit(m, Req(1, list(prompt), cache_salt="t" * 256))
+    assert len(m.pool.hash_input[short[0]]) == len(m.pool.hash_input[long[0]])
+    assert m.pool.hash_input[short[0]] != m.pool.hash_input[long[0]]
 
 
 def test_different_extra_keys_never_share_blocks():
@@ -212,3 +226,17 @@ def test_caching_disabled_never_hits():
     admit(m, Req(0, list(range(9))))
     assert m.get_computed_blocks(Req(1, list(range(9)))) == ([], 0)
     assert not m.pool.cached
+
+
+def test_discarding_a_failed_request_forgets_its_unwritten_blocks():
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    written = Req(0, list(range(9)))
+    admit(m, written)
+    m.free(written)  # its K/V were written: its blocks stay findable
+    failed = Req(1, list(range(9)) + list(range(100, 109)))
+    computed, _ = admit(m, failed)  # registers blocks 2 and 3 before any K/V exists
+    assert len(computed) == 2
+    m.discard(failed, num_written_tokens=8)
+    probe = Req(2, list(failed.token_ids))
+    assert m.get_computed_blocks(probe)[1] == 8  # the written prefix, nothing past it
+    assert m.pool.num_free_blocks == 16

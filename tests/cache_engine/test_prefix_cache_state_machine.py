@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ragkv.cache_engine import KVCacheManager
+from ragkv.cache_engine.block_hash import digest_salt
 
 BLOCK = 4
 NUM_BLOCKS = 12
@@ -36,6 +37,10 @@ class Req:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def salt_digest(self) -> bytes | None:
+        return None if self.cache_salt is None else digest_salt(self.cache_salt)
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):

@@ -1,6 +1,6 @@
 import pytest
 
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from ragkv.errors import InvalidInputError
 
 
@@ -64,3 +64,46 @@ def test_edge_values_are_accepted():
         max_tokens=1, temperature=2.0, top_k=-1, top_p=1.0, min_p=1.0, logprobs=20, seed=0
     ).validate(vocab_size=100)
     SamplingParams(top_k=0, logprobs=0, stop_token_ids=[99]).validate(vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a"] * 5}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+    ],
+)
+def test_invalid_settings_fail_at_construction_with_param_naming_the_field(kwargs, param):
+    with pytest.raises(InvalidInputError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_vocab_bound_on_stop_token_ids_names_the_field():
+    with pytest.raises(InvalidInputError, match="stop_token_ids") as info:
+        SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+    assert info.value.param == "stop_token_ids"
+
+
+def test_seed_accepts_the_whole_unsigned_64_bit_range():
+    SamplingParams(seed=0, temperature=1.0)
+    SamplingParams(seed=2**64 - 1, temperature=1.0)
+
+
+def test_stop_caps_accept_their_limits():
+    params = SamplingParams(stop=["a" * MAX_STOP_CHARS, "b", "c", "d"])
+    assert len(params.stop) == MAX_STOP_STRINGS == 4

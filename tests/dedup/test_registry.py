@@ -1,6 +1,9 @@
 """ChunkRegistry: LRU bound by bytes, tokenize once, stats, thread safety."""
 
+import gc
+import random
 import threading
+import tracemalloc
 
 import pytest
 
@@ -47,7 +50,9 @@ def test_observe_counts_requests_and_recency():
 
 def test_least_recently_used_entry_is_evicted_with_its_stats():
     a, b, c, d = (Chunk(ch * 100) for ch in "abcd")
-    reg = ChunkRegistry(max_bytes=3 * (100 + 128))  # room for three observed chunks
+    probe = ChunkRegistry()
+    probe.observe([Chunk("z" * 100)])
+    reg = ChunkRegistry(max_bytes=3 * probe.total_bytes)  # room for three observed chunks
     reg.observe([a])
     reg.observe([b])
     reg.observe([c])
@@ -175,3 +180,35 @@ def test_concurrent_misses_on_one_chunk_tokenize_once():
         t.join()
     assert calls == ["z"]
     assert results == [(1, 2)] * 5
+
+
+def test_total_bytes_is_the_memory_the_registry_really_holds():
+    rng = random.Random(0)
+    reg = ChunkRegistry(max_bytes=2**40)
+
+    def tokenize(text: str) -> list[int]:  # fresh int objects, as a real tokenizer returns
+        return [rng.randrange(0, 50_000) for _ in range(len(text) // 4)]
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(3_000):
+            chunk = Chunk(f"chunk number {i} " + "x" * rng.randrange(50, 400))
+            reg.token_ids(chunk, "tok", tokenize)
+            reg.observe([chunk])
+            reg.token_ids(chunk, "tok", tokenize)  # a hit allocates nothing that stays
+        del chunk
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.8 * held <= reg.total_bytes <= 1.2 * held
+
+
+def test_token_ids_are_stored_compactly_and_returned_as_a_tuple():
+    reg = ChunkRegistry()
+    ids = reg.token_ids(Chunk("abc"), "t", lambda s: [70_000, 1, 2**31 - 1])
+    assert ids == (70_000, 1, 2**31 - 1) and isinstance(ids, tuple)
+    with pytest.raises(InvalidInputError, match="int32"):
+        reg.token_ids(Chunk("big"), "t", lambda s: [2**31])
