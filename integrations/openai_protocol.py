@@ -325,8 +325,9 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return prompt
+    tokens = _ints(prompt)
+    if tokens:
+        return tokens
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise APIError(
             400, "batched prompts are not supported; send one per request", param="prompt"
@@ -455,9 +456,10 @@ def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, list) and all(_is_int(t) for t in value):
-        return value
-    raise APIError(400, f"{name} must be a list of integers", param=name)
+    ints = _ints(value)
+    if ints is None:
+        raise APIError(400, f"{name} must be a list of integers", param=name)
+    return ints
 
 
 _TYPE_NAMES = {
@@ -474,19 +476,37 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str 
     value = body.get(name)
     if value is None:
         return default
-    ok = (
-        _is_int(value)
-        if kind is int
-        else (_is_int(value) or isinstance(value, float))
-        if kind is float
-        else isinstance(value, kind)
-    )
+    if kind is int:
+        value = _integral(value)
+        ok = value is not None
+    elif kind is float:
+        ok = _is_int(value) or isinstance(value, float)
+    else:
+        ok = isinstance(value, kind)
     if not ok:
         param = prefix + name
         raise APIError(
-            400, f"{param} must be {_TYPE_NAMES[kind]}, got {type(value).__name__}", param=param
+            400,
+            f"{param} must be {_TYPE_NAMES[kind]}, got {type(body[name]).__name__}",
+            param=param,
         )
     return value
+
+
+def _integral(value: Any) -> int | None:
+    """``value`` as an int if it is one in JSON Schema's sense (``2`` or ``2.0``), else None."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _ints(value: Any) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    ints = [_integral(v) for v in value]
+    return None if any(i is None for i in ints) else ints
 
 
 def _is_int(value: Any) -> bool:
@@ -527,7 +547,11 @@ def _envelope(
 
 
 def request_schemas(
-    limits: RequestLimits, *, vocab_size: int | None, max_model_len: int | None
+    limits: RequestLimits,
+    *,
+    model_name: str,
+    vocab_size: int | None,
+    max_model_len: int | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """JSON Schemas of the completions and chat bodies this module accepts.
 
@@ -545,7 +569,7 @@ def request_schemas(
     if limits.max_prompt_tokens is not None:
         token_prompt["maxItems"] = limits.max_prompt_tokens
     common: dict[str, Any] = {
-        "model": {"type": ["string", "null"]},
+        "model": {"enum": [model_name, None]},
         "max_tokens": max_tokens,
         "temperature": {"type": ["number", "null"], "minimum": 0},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
@@ -634,7 +658,8 @@ def request_schemas(
             },
             "ragkv": {
                 "type": ["object", "null"],
-                "description": "ragkv extension: chunks deduplicated and assembled on the server",
+                "description": "ragkv extension: chunks deduplicated and assembled on the "
+                "server; the last message must then be the user's question",
                 "properties": {
                     "chunks": {"type": "array", "items": chunk, "maxItems": limits.max_chunks},
                     "system": {"type": ["string", "null"]},

@@ -191,6 +191,7 @@ def _tenants(api_key: str | None, api_keys: Mapping[str, str] | None) -> dict[st
 def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
     completion_schema, chat_schema = proto.request_schemas(
         served.limits,
+        model_name=served.model_name,
         vocab_size=vocab_size,
         max_model_len=getattr(served.engine, "max_model_len", None),
     )
