@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -213,6 +214,7 @@ def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
         return Response(served.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions", openapi_extra=_json_body(completion_schema))
+    @_answered_here
     async def completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_completion)
         prompt = parsed.prompt
@@ -222,12 +224,34 @@ def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
         return await _generate(request, served, parsed, prompt, chat=False, extra=None)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(chat_schema))
+    @_answered_here
     async def chat_completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_chat)
         token_ids, extra = await asyncio.to_thread(_chat_prompt, served, parsed)
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
         proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
         return await _generate(request, served, parsed, token_ids, chat=True, extra=extra)
+
+
+def _answered_here(
+    route: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Turn an unexpected exception of ``route`` (a bug, a failed engine step) into a logged
+    500 APIError. Left alone, it reaches Starlette's ServerErrorMiddleware, which re-raises
+    after answering, and uvicorn then closes the keep-alive connection: the client's next
+    request on it, possibly already sent, fails with a connection reset."""
+
+    @functools.wraps(route)
+    async def answered(request: Request) -> Response:
+        try:
+            return await route(request)
+        except (APIError, RagkvError, _ClientGone):
+            raise
+        except Exception as exc:
+            logger.exception("unexpected error serving %s", request.url.path)
+            raise _internal_error() from exc
+
+    return answered
 
 
 def _json_body(schema: dict[str, Any]) -> dict[str, Any]:

@@ -440,3 +440,31 @@ def test_a_large_body_is_decoded_on_a_worker_thread(serve, monkeypatch):
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200
     assert threads and "ragkv-http" not in threads  # the uvicorn event loop's thread
+
+
+def test_an_engine_failure_is_a_500_that_keeps_the_connection_alive(
+    base_url, api_key, serve_engine, monkeypatch
+):
+    """A failure of one request must not close its keep-alive connection: the next request
+    of that client on it (already sent, under load) would fail with a connection reset."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    async def fail(*args, **kwargs):
+        raise RuntimeError("the model forward failed")
+        yield  # pragma: no cover - an async generator like Engine.astream
+
+    url = urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    body = json.dumps({"prompt": "abc", "max_tokens": 1})
+    with monkeypatch.context() as patch:
+        patch.setattr(serve_engine, "astream", fail)
+        connection.request("POST", "/v1/completions", body=body, headers=headers)
+        failed = connection.getresponse()
+        error = json.loads(failed.read())["error"]
+    assert failed.status == 500 and error["type"] == "server_error"
+    assert "the model forward failed" not in error["message"]
+    connection.request("POST", "/v1/completions", body=body, headers=headers)  # same socket
+    assert connection.getresponse().status == 200
+    connection.close()
