@@ -20,7 +20,7 @@ from typing import Any
 
 from ragkv.cache_engine.outputs import Output
 from ragkv.dedup import Chunk
-from ragkv.errors import InvalidInputError
+from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.integrations.server_cli import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
@@ -85,11 +85,9 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for name in ("max_chunk_bytes", "max_chunks", "max_rag_bytes", "max_stop_strings"):
             if getattr(self, name) < 1:
-                raise InvalidInputError(f"{name} must be at least 1", param=name)
+                raise ConfigError(f"{name} must be at least 1", param=name)
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise InvalidInputError(
-                "max_prompt_tokens must be at least 1", param="max_prompt_tokens"
-            )
+            raise ConfigError("max_prompt_tokens must be at least 1", param="max_prompt_tokens")
 
 
 @dataclass(slots=True)

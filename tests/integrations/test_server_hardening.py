@@ -326,6 +326,11 @@ def test_prompt_tokens_and_stop_strings_are_bounded(serve):
         assert ok.status_code == 200
 
 
+def test_a_limit_below_one_is_a_config_error():
+    with pytest.raises(ConfigError, match="max_chunks"):
+        RequestLimits(max_chunks=0)
+
+
 def test_the_default_prompt_limit_is_the_model_context(serve, serve_engine):
     url, app = serve(api_key=None)
     assert app.state.ragkv.limits.max_prompt_tokens == serve_engine.max_model_len - 1
