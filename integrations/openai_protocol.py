@@ -20,11 +20,20 @@ from typing import Any
 
 from ragkv.cache_engine.outputs import Output
 from ragkv.dedup import Chunk
-from ragkv.errors import InvalidInputError
+from ragkv.errors import ConfigError, InvalidInputError
+from ragkv.integrations.server_cli import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_MAX_RAG_BYTES,
+    DEFAULT_MAX_STOP_STRINGS,
+)
 
 # OpenAI's default; a client that wants ragkv's reproducible greedy decoding sends 0.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# ``seed`` is a signed 64-bit integer, as in OpenAI's and vLLM's schemas; torch's generator
+# overflows past it, so a larger one is a 400 here rather than a failure inside the engine.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -57,6 +66,30 @@ class APIError(Exception):
         }
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Per-request size limits, checked while parsing, before any tokenization or queueing.
+
+    One huge RAG request stalls everyone (tokenizing and hashing megabytes holds the GIL
+    and the assembler), so chunks are bounded one by one, in number and in total UTF-8
+    bytes. ``max_prompt_tokens`` (None: the model context) bounds the prompt after
+    tokenization, and a token-id prompt before anything else.
+    """
+
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    max_chunks: int = DEFAULT_MAX_CHUNKS
+    max_rag_bytes: int = DEFAULT_MAX_RAG_BYTES
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_chunk_bytes", "max_chunks", "max_rag_bytes", "max_stop_strings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1", param=name)
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError("max_prompt_tokens must be at least 1", param="max_prompt_tokens")
+
+
 @dataclass(slots=True)
 class RagContext:
     """The ``ragkv`` extension of a chat request: retrieved chunks and an optional system."""
@@ -81,11 +114,13 @@ class GenerationRequest:
     rag: RagContext | None = None
 
 
-def parse_completion(body: Any) -> GenerationRequest:
+def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Parse a ``POST /v1/completions`` body."""
     body = _object(body)
-    request = _common(body, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    request = _common(body, limits, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
     request.prompt = _prompt(body.get("prompt"))
+    if isinstance(request.prompt, list):
+        check_prompt_tokens(len(request.prompt), limits, "prompt")
     if _get(body, "echo", bool, False):
         raise _unsupported("echo")
     if _get(body, "logprobs", int, None) is not None:
@@ -93,10 +128,10 @@ def parse_completion(body: Any) -> GenerationRequest:
     return request
 
 
-def parse_chat(body: Any) -> GenerationRequest:
+def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Parse a ``POST /v1/chat/completions`` body (``max_completion_tokens`` wins)."""
     body = _object(body)
-    request = _common(body, max_tokens_default=None)
+    request = _common(body, limits, max_tokens_default=None)
     newer = _get(body, "max_completion_tokens", int, None)
     if newer is not None:
         request.max_tokens = newer
@@ -107,8 +142,61 @@ def parse_chat(body: Any) -> GenerationRequest:
         if body.get(name) is not None:
             raise _unsupported(name)
     if body.get("ragkv") is not None:
-        request.rag = _rag(body["ragkv"])
+        request.rag = _rag(body["ragkv"], limits)
     return request
+
+
+def check_prompt_tokens(count: int, limits: RequestLimits, param: str) -> None:
+    """400 when a prompt of ``count`` tokens exceeds ``limits.max_prompt_tokens``."""
+    if limits.max_prompt_tokens is not None and count > limits.max_prompt_tokens:
+        raise APIError(
+            400,
+            f"the prompt has {count} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens}. Send fewer or shorter chunks or messages",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def find_lone_surrogate(body: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``body`` that holds a lone
+    UTF-16 surrogate, else None.
+
+    JSON may escape one (``"\\ud800"``) and ``json.loads`` keeps it, but such a string has
+    no UTF-8 form: tokenizers, hashers and the JSON encoder of the answer all fail on it.
+    Iterative, so any nesting depth ``json.loads`` accepted is walked without recursion.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _utf8_encodable(value):
+                return _path_name(path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _utf8_encodable(key):
+                    return _path_name(path) or "body"
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+    return None
+
+
+def _utf8_encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path_name(path: tuple[str | int, ...]) -> str:
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else part)
+    return name
 
 
 def completion_body(
@@ -189,7 +277,9 @@ def new_request_id(prefix: str) -> str:
 # -- parsing helpers ----------------------------------------------------------------------
 
 
-def _common(body: dict[str, Any], *, max_tokens_default: int | None) -> GenerationRequest:
+def _common(
+    body: dict[str, Any], limits: RequestLimits, *, max_tokens_default: int | None
+) -> GenerationRequest:
     if _get(body, "n", int, 1) != 1 or _get(body, "best_of", int, 1) not in (None, 1):
         raise _unsupported("n", "one choice per request (n=1)")
     for name, neutral in (
@@ -207,8 +297,8 @@ def _common(body: dict[str, Any], *, max_tokens_default: int | None) -> Generati
         "top_p": _get(body, "top_p", float, 1.0),
         "top_k": _get(body, "top_k", int, 0),
         "min_p": _get(body, "min_p", float, 0.0),
-        "seed": _get(body, "seed", int, None),
-        "stop": _stop(body.get("stop")),
+        "seed": _seed(body),
+        "stop": _stop(body.get("stop"), limits),
         "stop_token_ids": _int_list(body, "stop_token_ids"),
         "ignore_eos": _get(body, "ignore_eos", bool, False),
         "include_stop_str_in_output": _get(body, "include_stop_str_in_output", bool, False),
@@ -233,8 +323,9 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return prompt
+    tokens = _ints(prompt)
+    if tokens:
+        return tokens
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise APIError(
             400, "batched prompts are not supported; send one per request", param="prompt"
@@ -273,15 +364,33 @@ def _content(content: Any, param: str) -> str:
     raise APIError(400, f"{param}.content must be a string or a list of text parts", param=param)
 
 
-def _rag(value: Any) -> RagContext:
+def _rag(value: Any, limits: RequestLimits) -> RagContext:
     if not isinstance(value, dict):
         raise APIError(400, "ragkv must be an object {chunks, system}", param="ragkv")
     chunks = value.get("chunks", [])
     if not isinstance(chunks, list):
         raise APIError(400, "ragkv.chunks must be a list", param="ragkv.chunks")
+    if len(chunks) > limits.max_chunks:
+        raise APIError(
+            400,
+            f"ragkv.chunks has {len(chunks)} chunks; this server accepts at most "
+            f"{limits.max_chunks} per request",
+            param="ragkv.chunks",
+            code="too_many_chunks",
+        )
     parsed = []
+    total = 0
     for i, chunk in enumerate(chunks):
         param = f"ragkv.chunks[{i}]"
+        total += _chunk_bytes(chunk, param, limits)
+        if total > limits.max_rag_bytes:
+            raise APIError(
+                400,
+                f"ragkv.chunks hold more than {limits.max_rag_bytes} bytes of text in all; "
+                "send fewer or shorter chunks",
+                param="ragkv.chunks",
+                code="chunks_too_large",
+            )
         try:
             if isinstance(chunk, str):
                 parsed.append(Chunk(chunk))
@@ -301,10 +410,42 @@ def _rag(value: Any) -> RagContext:
     return RagContext(parsed, _get(value, "system", str, None, "ragkv."))
 
 
-def _stop(stop: Any) -> list[str] | None:
+def _chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:
+    """UTF-8 size of a chunk's text (0 for a malformed chunk: its shape is refused later)."""
+    text = chunk.get("content") if isinstance(chunk, dict) else chunk
+    if not isinstance(text, str):
+        return 0
+    # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_chunk_bytes:
+        raise APIError(
+            400,
+            f"{param} has {size} bytes; this server accepts at most {limits.max_chunk_bytes} "
+            "per chunk. Split it into smaller chunks",
+            param=param,
+            code="chunk_too_large",
+        )
+    return size
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise APIError(400, f"seed must be a signed 64-bit integer, got {seed}", param="seed")
+    return seed
+
+
+def _stop(stop: Any, limits: RequestLimits) -> list[str] | None:
     if stop is None or isinstance(stop, str):
         return None if stop is None else [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > limits.max_stop_strings:
+            raise APIError(
+                400,
+                f"stop has {len(stop)} strings; this server accepts at most "
+                f"{limits.max_stop_strings}",
+                param="stop",
+            )
         return stop
     raise APIError(400, "stop must be a string or a list of strings", param="stop")
 
@@ -313,9 +454,10 @@ def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, list) and all(_is_int(t) for t in value):
-        return value
-    raise APIError(400, f"{name} must be a list of integers", param=name)
+    ints = _ints(value)
+    if ints is None:
+        raise APIError(400, f"{name} must be a list of integers", param=name)
+    return ints
 
 
 _TYPE_NAMES = {
@@ -332,19 +474,37 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str 
     value = body.get(name)
     if value is None:
         return default
-    ok = (
-        _is_int(value)
-        if kind is int
-        else (_is_int(value) or isinstance(value, float))
-        if kind is float
-        else isinstance(value, kind)
-    )
+    if kind is int:
+        value = _integral(value)
+        ok = value is not None
+    elif kind is float:
+        ok = _is_int(value) or isinstance(value, float)
+    else:
+        ok = isinstance(value, kind)
     if not ok:
         param = prefix + name
         raise APIError(
-            400, f"{param} must be {_TYPE_NAMES[kind]}, got {type(value).__name__}", param=param
+            400,
+            f"{param} must be {_TYPE_NAMES[kind]}, got {type(body[name]).__name__}",
+            param=param,
         )
     return value
+
+
+def _integral(value: Any) -> int | None:
+    """``value`` as an int if it is one in JSON Schema's sense (``2`` or ``2.0``), else None."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _ints(value: Any) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    ints = [_integral(v) for v in value]
+    return None if any(i is None for i in ints) else ints
 
 
 def _is_int(value: Any) -> bool:
@@ -379,3 +539,131 @@ def _envelope(
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+# -- request schemas (OpenAPI documentation and fuzzing input) ---------------------------------
+
+
+def request_schemas(
+    limits: RequestLimits,
+    *,
+    model_name: str,
+    vocab_size: int | None,
+    max_model_len: int | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON Schemas of the completions and chat bodies this module accepts.
+
+    The parsers above are the authority; these describe the same rules (types, ranges and
+    this server's limits) so ``app.openapi()`` documents the real bodies and a schema fuzzer
+    generates meaningful ones. Unknown fields stay allowed, as the parsers ignore them.
+    """
+    token: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    max_tokens: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
+    if max_model_len is not None:
+        max_tokens["maximum"] = max_model_len
+    token_prompt: dict[str, Any] = {"type": "array", "items": token, "minItems": 1}
+    if limits.max_prompt_tokens is not None:
+        token_prompt["maxItems"] = limits.max_prompt_tokens
+    common: dict[str, Any] = {
+        "model": {"enum": [model_name, None]},
+        "max_tokens": max_tokens,
+        "temperature": {"type": ["number", "null"], "minimum": 0},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": ["integer", "null"], "minimum": -1},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "seed": {"type": ["integer", "null"], "minimum": SEED_MIN, "maximum": SEED_MAX},
+        "stop": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "maxItems": limits.max_stop_strings,
+                },
+            ]
+        },
+        "stop_token_ids": {"type": ["array", "null"], "items": token},
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "include_stop_str_in_output": {"type": ["boolean", "null"]},
+        "skip_special_tokens": {"type": ["boolean", "null"]},
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": {
+            "type": ["object", "null"],
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+        },
+        "cache_salt": {"type": ["string", "null"]},
+        "return_token_ids": {"type": ["boolean", "null"]},
+        "n": {"type": ["integer", "null"], "enum": [1, None]},
+        "presence_penalty": {"type": ["number", "null"], "enum": [0, None]},
+        "frequency_penalty": {"type": ["number", "null"], "enum": [0, None]},
+        "user": {"type": ["string", "null"]},
+    }
+    completion = {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            **common,
+            "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_prompt]},
+            "echo": {"type": ["boolean", "null"], "enum": [False, None]},
+        },
+    }
+    content = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "null"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                },
+            },
+        ]
+    }
+    chunk = {
+        "anyOf": [
+            {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
+            {
+                "type": "object",
+                "required": ["content"],
+                "properties": {
+                    "content": {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
+                    "source_id": {"type": ["string", "null"]},
+                    "score": {"type": ["number", "null"]},
+                    "metadata": {"type": ["object", "null"]},
+                },
+            },
+        ]
+    }
+    chat = {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            **common,
+            "max_completion_tokens": max_tokens,
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {"role": {"type": "string"}, "content": content},
+                },
+            },
+            "ragkv": {
+                "type": ["object", "null"],
+                "description": "ragkv extension: chunks deduplicated and assembled on the "
+                "server; the last message must then be the user's question",
+                "properties": {
+                    "chunks": {"type": "array", "items": chunk, "maxItems": limits.max_chunks},
+                    "system": {"type": ["string", "null"]},
+                },
+            },
+            "logprobs": {"type": ["boolean", "null"], "enum": [False, None]},
+        },
+    }
+    return completion, chat

@@ -6,20 +6,35 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (with the opt
 ``GET /metrics``. Every concurrent request goes to the one engine, whose continuous batching
 serves them together and whose prefix cache they all share.
 
-Safety rules: the API key (if any) is compared in constant time on every route but
-``/health``; bodies over ``max_body_bytes`` get 413 before they are parsed; a request that
-outlives ``request_timeout_s`` is aborted (504); a client that disconnects aborts its request,
-which frees its KV blocks; every error is an OpenAI-style JSON body, never a traceback.
+Safety rules (no request can hurt another):
+
+- Tenants: each API key names a tenant (one ``api_key``: tenant ``default``; none: one
+  anonymous tenant). Keys are compared in constant time, against every key, on every route
+  but ``/health``. A request's cache namespace is a digest of its tenant and the client's
+  ``cache_salt`` (which can only subdivide it), so tenants never share a KV block or the
+  RAG pipeline's learned chunk order.
+- Only configured ``Host`` names are answered (421 otherwise: DNS rebinding), and a POST body
+  must be ``application/json`` (415 otherwise: a browser's cross-site form cannot send that).
+- Bodies over ``max_body_bytes`` get 413 before they are parsed; large bodies are decoded
+  and validated on a worker thread, so the event loop keeps serving. Everything is
+  validated before anything is queued: a bad value is a 400 naming its field, RAG chunks
+  are bounded by :class:`~ragkv.integrations.openai_protocol.RequestLimits`.
+- A request that outlives ``request_timeout_s`` is aborted (504); a client that disconnects
+  aborts its request, which frees its KV blocks; every error is an OpenAI-style JSON body,
+  never a traceback, and every stream ends with an error event or ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from ragkv.errors import MissingDependencyError
@@ -33,19 +48,31 @@ except ImportError as exc:  # pragma: no cover - exercised through server_cli
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import (
     CacheCapacityError,
+    ConfigError,
     EngineClosedError,
     InvalidInputError,
+    PromptTooLongError,
     RagkvError,
     RequestAbortedError,
 )
 from ragkv.integrations import openai_protocol as proto
-from ragkv.integrations.openai_protocol import APIError, GenerationRequest
-from ragkv.integrations.server_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
+from ragkv.integrations.openai_protocol import APIError, GenerationRequest, RequestLimits
+from ragkv.integrations.server_cli import (
+    ANONYMOUS_TENANT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    LOOPBACK_HOSTS,
+    SINGLE_TENANT,
+    validate_api_keys,
+)
 from ragkv.integrations.server_metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 _OPEN_ROUTES = frozenset({"/health"})
+# Bodies up to this size are decoded on the event loop (well under a millisecond); larger
+# ones on a worker thread: a 2.6 MB body decoded inline stalled /health for 0.55 s.
+_INLINE_PARSE_BYTES = 64 << 10
 
 
 class _ClientGone(Exception):
@@ -56,67 +83,120 @@ def create_app(
     engine_or_pipeline: Any,
     *,
     api_key: str | None = None,
+    api_keys: Mapping[str, str] | None = None,
+    allowed_hosts: Iterable[str] | None = None,
+    limits: RequestLimits | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     model_name: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
+    ``api_keys`` maps each API key to its tenant's name; ``api_key`` is the one-tenant case;
+    with neither, every client is one anonymous tenant (a warning is logged).
+    ``allowed_hosts`` are the ``Host`` names answered, with any port (default: localhost,
+    127.0.0.1, ::1; ``"*"``: any). ``limits`` bound each request (default
+    :class:`RequestLimits`, with ``max_prompt_tokens`` from the model context).
     ``model_name`` is the id clients must send as ``model`` (default: the engine's
-    ``model_name``); requests naming another model get 404. The caller owns the engine
-    and closes it; the app never does.
+    ``model_name``); requests naming another model get 404. A given pipeline must isolate
+    its learned state per salt (``Pipeline(engine, isolate_by_salt=True)``). The caller owns
+    the engine and closes it; the app never does.
     """
     from ragkv.pipeline import Pipeline
 
     if isinstance(engine_or_pipeline, Pipeline):
         pipeline, engine = engine_or_pipeline, engine_or_pipeline.engine
+        if not pipeline.isolate_by_salt:
+            raise ConfigError(
+                "the server derives a cache salt per tenant and needs the pipeline's learned "
+                "chunk order kept per salt: pass Pipeline(engine, isolate_by_salt=True)"
+            )
     else:
         engine = engine_or_pipeline
-        pipeline = Pipeline(engine)
+        pipeline = Pipeline(engine, isolate_by_salt=True)
     if max_body_bytes < 1 or request_timeout_s <= 0:
         raise InvalidInputError("max_body_bytes and request_timeout_s must be positive")
+    limits = limits or RequestLimits()
+    context = getattr(engine, "max_model_len", None)
+    if limits.max_prompt_tokens is None and context is not None:
+        limits = dataclasses.replace(limits, max_prompt_tokens=context - 1)
     served = _Served(
-        engine,
-        pipeline,
-        model_name or getattr(engine, "model_name", None) or "ragkv",
-        max_body_bytes,
-        request_timeout_s,
-        ServerMetrics(engine),
+        engine=engine,
+        pipeline=pipeline,
+        model_name=model_name or getattr(engine, "model_name", None) or "ragkv",
+        limits=limits,
+        max_body_bytes=max_body_bytes,
+        request_timeout_s=request_timeout_s,
+        metrics=ServerMetrics(engine),
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served
-    _add_routes(app, served)
+    _add_routes(app, served, getattr(getattr(engine, "runner", None), "vocab_size", None))
     _add_error_handlers(app)
     app.add_middleware(
-        _Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=served.metrics
+        _Gate,
+        tenants=_tenants(api_key, api_keys),
+        allowed_hosts=_host_names(LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts),
+        max_body_bytes=max_body_bytes,
+        metrics=served.metrics,
     )
     return app
 
 
+@dataclasses.dataclass(slots=True)
 class _Served:
     """What the routes share: the engine, the pipeline and the limits."""
 
-    def __init__(
-        self,
-        engine: Any,
-        pipeline: Any,
-        model_name: str,
-        max_body_bytes: int,
-        request_timeout_s: float,
-        metrics: ServerMetrics,
-    ) -> None:
-        self.engine = engine
-        self.pipeline = pipeline
-        self.model_name = model_name
-        self.max_body_bytes = max_body_bytes
-        self.request_timeout_s = request_timeout_s
-        self.metrics = metrics
+    engine: Any
+    pipeline: Any
+    model_name: str
+    limits: RequestLimits
+    max_body_bytes: int
+    request_timeout_s: float
+    metrics: ServerMetrics
+
+
+def tenant_salt(tenant: str, client_salt: str | None) -> str:
+    """The cache salt the engine sees for a request of ``tenant`` with the client's ``cache_salt``.
+
+    A fixed-size hex digest (the engine caps salts at 256 UTF-8 bytes; a client's salt can be
+    any length), over the tenant's name length-prefixed, then the client's salt tagged as
+    present or absent: no (tenant, salt) pair can reach another tenant's namespace.
+    """
+    name = tenant.encode()
+    digest = hashlib.sha256(b"ragkv-tenant-salt\0")
+    digest.update(len(name).to_bytes(8, "little") + name)
+    if client_salt is not None:
+        digest.update(b"\1" + client_salt.encode())
+    return digest.hexdigest()
+
+
+def _tenants(api_key: str | None, api_keys: Mapping[str, str] | None) -> dict[str, str] | None:
+    """``{key: tenant}`` or None for a keyless server."""
+    if api_key and api_keys:
+        raise ConfigError("give either api_key (one tenant) or api_keys, not both")
+    if api_keys:
+        return validate_api_keys(dict(api_keys))
+    if api_key:
+        return validate_api_keys({api_key: SINGLE_TENANT}, "api_key")
+    logger.warning(
+        "serving without an API key: every client is one anonymous tenant; anything that "
+        "can reach this server can use it"
+    )
+    return None
 
 
 # -- routes ---------------------------------------------------------------------------------
 
 
-def _add_routes(app: FastAPI, served: _Served) -> None:
+def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
+    completion_schema, chat_schema = proto.request_schemas(
+        served.limits,
+        model_name=served.model_name,
+        vocab_size=vocab_size,
+        max_model_len=getattr(served.engine, "max_model_len", None),
+    )
+
     @app.get("/health")
     async def health() -> Response:
         # 503 lets a supervisor restart a server whose engine died or keeps failing.
@@ -141,21 +221,110 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     async def metrics() -> Response:
         return Response(served.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(completion_schema))
+    @_answered_here
     async def completions(request: Request) -> Response:
-        parsed = proto.parse_completion(await _read_json(request, served.max_body_bytes))
-        _check_model(parsed, served)
+        parsed = await _parse(request, served, proto.parse_completion)
         prompt = parsed.prompt
         if isinstance(prompt, str):
             prompt = await asyncio.to_thread(_tokenize, served.engine, prompt)
+            proto.check_prompt_tokens(len(prompt), served.limits, "prompt")
         return await _generate(request, served, parsed, prompt, chat=False, extra=None)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(chat_schema))
+    @_answered_here
     async def chat_completions(request: Request) -> Response:
-        parsed = proto.parse_chat(await _read_json(request, served.max_body_bytes))
-        _check_model(parsed, served)
+        parsed = await _parse(request, served, proto.parse_chat)
         token_ids, extra = await asyncio.to_thread(_chat_prompt, served, parsed)
+        culprit = "messages" if parsed.rag is None else "ragkv.chunks"
+        proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
         return await _generate(request, served, parsed, token_ids, chat=True, extra=extra)
+
+
+def _answered_here(
+    route: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Turn an unexpected exception of ``route`` (a bug, a failed engine step) into a logged
+    500 APIError. Left alone, it reaches Starlette's ServerErrorMiddleware, which re-raises
+    after answering, and uvicorn then closes the keep-alive connection: the client's next
+    request on it, possibly already sent, fails with a connection reset."""
+
+    @functools.wraps(route)
+    async def answered(request: Request) -> Response:
+        try:
+            return await route(request)
+        except (APIError, RagkvError, _ClientGone):
+            raise
+        except Exception as exc:
+            logger.exception("unexpected error serving %s", request.url.path)
+            raise _internal_error() from exc
+
+    return answered
+
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` of a route that reads its JSON itself (so the schema is
+    documentation and fuzzing input; the parser in openai_protocol is the authority)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _parse(
+    request: Request, served: _Served, parse: Callable[[Any, RequestLimits], GenerationRequest]
+) -> GenerationRequest:
+    """Read, decode and validate a body (off the loop when large) before anything is queued.
+
+    The returned request's ``cache_salt`` is the tenant's namespace (:func:`tenant_salt`).
+    """
+    raw = await _read_body(request, served.max_body_bytes)
+    if len(raw) > _INLINE_PARSE_BYTES:
+        parsed = await asyncio.to_thread(_decode, raw, parse, served.limits)
+    else:
+        parsed = _decode(raw, parse, served.limits)
+    _check_model(parsed, served)
+    tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
+    parsed.cache_salt = tenant_salt(tenant, parsed.cache_salt)
+    return parsed
+
+
+def _decode(
+    raw: bytes, parse: Callable[[Any, RequestLimits], GenerationRequest], limits: RequestLimits
+) -> GenerationRequest:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    bad = proto.find_lone_surrogate(body)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{bad} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+            "send valid Unicode text",
+            param=bad,
+        )
+    parsed = parse(body, limits)
+    _check_sampling(parsed)
+    return parsed
+
+
+def _check_sampling(parsed: GenerationRequest) -> None:
+    """Validate the sampling settings with the engine's own rules, naming the bad field."""
+    fields = dict(parsed.sampling)
+    if parsed.max_tokens is not None:
+        fields["max_tokens"] = parsed.max_tokens
+    try:
+        SamplingParams(**fields).validate()
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param=exc.param or _failing_field(fields)) from exc
+
+
+def _failing_field(fields: dict[str, Any]) -> str | None:
+    # For validation errors that do not carry ``param`` yet: the field that fails on its own.
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value}).validate()
+        except InvalidInputError:
+            return name
+    return None
 
 
 def _check_model(parsed: GenerationRequest, served: _Served) -> None:
@@ -304,6 +473,11 @@ async def _sse(
         yield _event(_timeout_error(served).body())
     except RagkvError as exc:
         yield _event(_api_error(exc).body())
+    except Exception:  # the headers are sent: the error can only travel as an event
+        logger.exception("stream %s failed", request_id)
+        yield _event(_internal_error().body())
+    # Every stream ends with [DONE], after an error event too (as vLLM does), so clients
+    # that wait for it never hang.
     yield b"data: [DONE]\n\n"
 
 
@@ -371,7 +545,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
     size = 0
     parts = []
     async for part in request.stream():
@@ -379,10 +553,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise _too_large(limit)
         parts.append(part)
-    try:
-        return json.loads(b"".join(parts))
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    return b"".join(parts)
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -401,27 +572,18 @@ def _timeout_error(served: _Served) -> APIError:
     )
 
 
+def _internal_error() -> APIError:
+    return APIError(500, "internal server error; see the server log", type="server_error")
+
+
 def _api_error(exc: RagkvError) -> APIError:
+    if isinstance(exc, PromptTooLongError | CacheCapacityError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidInputError):
-        return APIError(400, str(exc), param=_param_named_in(str(exc)))
-    if isinstance(exc, CacheCapacityError):
-        return APIError(400, str(exc), code="context_length_exceeded")
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineClosedError | RequestAbortedError):
         return APIError(503, str(exc), type="server_error", code="unavailable")
     return APIError(500, str(exc), type="server_error")
-
-
-_SAMPLING_FIELDS = frozenset(
-    ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids")
-)
-
-
-def _param_named_in(message: str) -> str | None:
-    # SamplingParams.validate() messages start with the field name ("top_p must be ...").
-    first = message.split(" ", 1)[0]
-    if first in _SAMPLING_FIELDS:
-        return first
-    return "prompt" if message.startswith(("prompt", "token id")) else None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -453,21 +615,32 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error serving %s", request.url.path)
-        error = APIError(500, "internal server error; see the server log", type="server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return JSONResponse(_internal_error().body(), status_code=500)
 
 
-# -- the gate: auth, early size check, request counting ------------------------------------------
+# -- the gate: host, auth, content type, early size check, request counting -------------------
 
 
 class _Gate:
     """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware)."""
 
     def __init__(
-        self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics
+        self,
+        app: Any,
+        *,
+        tenants: dict[str, str] | None,
+        allowed_hosts: frozenset[str] | None,
+        max_body_bytes: int,
+        metrics: ServerMetrics,
     ) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        # Digests have one length, so comparing them leaks nothing about a key's length.
+        self.keys = (
+            None
+            if tenants is None
+            else [(hashlib.sha256(k.encode()).digest(), t) for k, t in tenants.items()]
+        )
+        self.allowed_hosts = allowed_hosts
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -495,21 +668,76 @@ class _Gate:
             self.metrics.http_requests.labels(known, str(status)).inc()
 
     def _refuse(self, scope: dict) -> APIError | None:
+        """The error that refuses this request before it reaches a route, else None; on
+        success the request's tenant is in ``scope["state"]["ragkv_tenant"]``."""
+        if scope["path"] in _OPEN_ROUTES:
+            return None
+        hosts = [v for k, v in scope["headers"] if k == b"host"]
+        if self.allowed_hosts is not None and (
+            len(hosts) != 1 or _host_name(hosts[0]) not in self.allowed_hosts
+        ):
+            return APIError(
+                421,
+                "this server does not answer to that Host name; add it to --allowed-hosts",
+                code="host_not_allowed",
+            )
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in _OPEN_ROUTES:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return APIError(
-                    401,
-                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
+        tenant = self._tenant(headers.get(b"authorization", b""))
+        if tenant is None:
+            return APIError(
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        scope.setdefault("state", {})["ragkv_tenant"] = tenant
+        if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
+            return APIError(
+                415,
+                "the request body must be JSON; send 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return _too_large(self.max_body_bytes)
         return None
+
+    def _tenant(self, authorization: bytes) -> str | None:
+        if self.keys is None:
+            return ANONYMOUS_TENANT
+        scheme, _, token = authorization.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        found = None
+        for key, tenant in self.keys:  # every key, match or not: constant time in the key
+            if hmac.compare_digest(digest, key) and found is None:
+                found = tenant
+        return found if scheme.lower() == b"bearer" else None
+
+
+def _host_names(hosts: Iterable[str]) -> frozenset[str] | None:
+    """Normalized allowed Host names (no port, no brackets, lower case); None for '*'."""
+    names = set()
+    for host in hosts:
+        if host.strip() == "*":
+            return None
+        names.add(_host_name(host.strip().encode()))
+    return frozenset(names)
+
+
+def _host_name(value: bytes) -> str:
+    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``."""
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:  # a name or IPv4 with a port; a bare IPv6 has several colons
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return False
+    return content_type.partition(b";")[0].strip().lower() == b"application/json"
 
 
 _KNOWN_ROUTES = frozenset(
@@ -526,4 +754,4 @@ async def _send_error(send: Any, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "create_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "create_app", "tenant_salt"]

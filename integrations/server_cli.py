@@ -8,17 +8,33 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
+from pathlib import Path
 
-from ragkv.errors import MissingDependencyError
+from ragkv.errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGKV_API_KEY"
-# Defaults of create_app too; kept here because this module must import no framework.
+# Defaults of create_app (and of the protocol's RequestLimits) too; kept here because this
+# module must import no framework.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# RAG limits. Measured on 2 CPU cores: one request with an 8 MB chunk made a small RAG
+# request wait 11.9 s instead of 0.31 s, and eight 2 MB RAG requests made a plain completion
+# wait 13.8 s (tokenizing and hashing hold the GIL). 256 KiB of chunks is ~64k tokens, more
+# than most contexts hold, so an honest request never reaches these.
+DEFAULT_MAX_CHUNK_BYTES = 32 << 10
+DEFAULT_MAX_CHUNKS = 64
+DEFAULT_MAX_RAG_BYTES = 256 << 10
+DEFAULT_MAX_STOP_STRINGS = 16
+# Host names a loopback server answers to (with any port); see --allowed-hosts.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Tenant of every request on a server with one --api-key, and on one with none.
+SINGLE_TENANT = "default"
+ANONYMOUS_TENANT = "anonymous"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Serve one engine (one shared prefix cache) over /v1/completions, "
             "/v1/chat/completions, /v1/models, /health and /metrics. Binds 127.0.0.1 unless "
-            f"--host says otherwise; set --api-key or ${API_KEY_ENV} before exposing it."
+            f"--host says otherwise; set --api-key or ${API_KEY_ENV} (one tenant) or "
+            "--api-keys (several) before exposing it."
         ),
     )
     parser.add_argument("--model", default=None, help="local HF checkpoint dir (default: embedded)")
@@ -39,7 +56,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}); one tenant",
+    )
+    parser.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='JSON file {"<key>": "<tenant>", ...}: one cache namespace per tenant',
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names to answer (any port); '*' for any "
+        "(default: the bind address, localhost, 127.0.0.1, ::1)",
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
@@ -53,6 +83,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
     )
+    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
+    parser.add_argument("--max-chunks", type=int, default=DEFAULT_MAX_CHUNKS)
+    parser.add_argument(
+        "--max-rag-bytes",
+        type=int,
+        default=DEFAULT_MAX_RAG_BYTES,
+        help="total bytes of ragkv.chunks per request",
+    )
+    parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="default: the model context"
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -65,12 +107,21 @@ def run(args: argparse.Namespace) -> int:
         raise MissingDependencyError("uvicorn", "server") from exc
     # Imported before the model loads, so a missing fastapi fails in a second, not a minute.
     from ragkv.cache_engine import Engine
+    from ragkv.integrations.openai_protocol import RequestLimits
     from ragkv.integrations.server import create_app
 
-    if not args.api_key and not _is_loopback(args.host):
-        logger.warning(
-            "serving on %s without an API key: anyone who can reach it can use it", args.host
-        )
+    api_keys = None
+    if args.api_keys is not None:
+        if args.api_key:
+            raise ConfigError(f"give either --api-key (or ${API_KEY_ENV}) or --api-keys, not both")
+        api_keys = load_api_keys(args.api_keys)
+    limits = RequestLimits(
+        max_chunk_bytes=args.max_chunk_bytes,
+        max_chunks=args.max_chunks,
+        max_rag_bytes=args.max_rag_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     engine = Engine.from_pretrained(
         args.model,
         device=args.device,
@@ -86,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(
             engine,
             api_key=args.api_key,
+            api_keys=api_keys,
+            allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+            limits=limits,
             max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout,
             model_name=args.served_model_name,
@@ -93,6 +147,73 @@ def run(args: argparse.Namespace) -> int:
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     return 0
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """Read ``--api-keys``: a JSON object mapping each API key to its tenant's name.
+
+    Several keys may name one tenant (key rotation); a key may not appear twice.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--api-keys: cannot read {path}: {exc}") from exc
+
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"--api-keys: {path} lists the same API key twice")
+        return dict(pairs)
+
+    try:
+        keys = json.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"--api-keys: {path} is not valid JSON: {exc}") from exc
+    return validate_api_keys(keys, str(path))
+
+
+def validate_api_keys(keys: object, origin: str = "api_keys") -> dict[str, str]:
+    """``keys`` if it is a non-empty ``{key: tenant}`` of non-empty strings, else ConfigError."""
+    if not isinstance(keys, dict) or not keys:
+        raise ConfigError(
+            f'{origin} must be a non-empty JSON object {{"<api key>": "<tenant name>", ...}}'
+        )
+    for key, tenant in keys.items():
+        if not isinstance(key, str) or not key.strip() or key != key.strip():
+            raise ConfigError(
+                f"{origin}: every API key must be a non-empty string without surrounding whitespace"
+            )
+        if not key.isascii() or not key.isprintable():
+            raise ConfigError(f"{origin}: API keys must be printable ASCII (HTTP headers)")
+        if not isinstance(tenant, str) or not tenant.strip():
+            raise ConfigError(f"{origin}: the tenant of every key must be a non-empty string")
+        try:
+            tenant.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{origin}: tenant {tenant!r} is not valid text") from exc
+    return dict(keys)
+
+
+def allowed_hosts(bind_host: str, flag: str | None) -> list[str]:
+    """The Host names to answer: ``--allowed-hosts`` if given, else loopback + the bind address."""
+    if flag is not None:
+        hosts = [h.strip() for h in flag.split(",") if h.strip()]
+        if not hosts:
+            raise ConfigError("--allowed-hosts is empty; name at least one host, or '*'")
+        return hosts
+    hosts = list(LOOPBACK_HOSTS)
+    if bind_host not in hosts and bind_host not in ("0.0.0.0", "::"):
+        hosts.append(bind_host)
+    if bind_host in ("0.0.0.0", "::"):
+        logger.warning(
+            "binding %s but answering only Host names %s; pass --allowed-hosts with the "
+            "names clients use to reach this server",
+            bind_host,
+            ", ".join(hosts),
+        )
+    return hosts
 
 
 def _is_loopback(host: str) -> bool:

@@ -196,7 +196,9 @@ def test_a_huge_chunked_body_without_length_is_refused_while_reading(client):
             yield b"x" * 1024
         yield b'"}'
 
-    response = client.post("/v1/completions", content=body())
+    response = client.post(
+        "/v1/completions", content=body(), headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 413
 
 
