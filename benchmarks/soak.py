@@ -114,7 +114,8 @@ class SoakReport:
 
 class FaultInjector:
     """Wraps ``engine.runner.execute`` to raise :class:`InjectedFault` on a random share of
-    steps, and ``engine._fail_running`` to record which prompts each injected fault hit."""
+    steps, recording which prompts each injected fault hits (the requests running in that
+    step: the engine fails exactly those)."""
 
     def __init__(self, engine: Any, rate: float, seed: int) -> None:
         self.engine = engine
@@ -124,31 +125,23 @@ class FaultInjector:
         self.hits: Counter = Counter()  # prompt (tuple of ids) -> requests failed by a fault
         self.lock = threading.Lock()
         self._execute = engine.runner.execute
-        self._fail_running = engine._fail_running
 
     def __enter__(self) -> FaultInjector:
         def execute(batch: Any) -> Any:
             if self.rng.random() < self.rate:
-                with self.lock:
+                with self.lock:  # on the engine thread: the scheduler is not moving
                     self.injected += 1
-                raise InjectedFault("injected model forward failure (soak)")
-            return self._execute(batch)
-
-        def fail_running(exc: BaseException) -> None:
-            if isinstance(exc, InjectedFault):  # runs on the engine thread, like the scheduler
-                with self.lock:
                     self.hits.update(
                         tuple(r.prompt_token_ids) for r in self.engine.scheduler.running
                     )
-            self._fail_running(exc)
+                raise InjectedFault("injected model forward failure (soak)")
+            return self._execute(batch)
 
         self.engine.runner.execute = execute
-        self.engine._fail_running = fail_running
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.engine.runner.execute = self._execute
-        self.engine._fail_running = self._fail_running
 
 
 def _rss_mb() -> float:

@@ -110,7 +110,10 @@ def paged_attention_torch(
             continue
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         parts = [_attend_lse(qs, _read(k_cache, r), _read(v_cache, r), scale) for r in prefix]
-        parts.append(_attend_lse(qs, k, v, scale, mask))
+        # The tail needs a causal mask: additive (``mask``) when it is longer than the query
+        # chunk, implicit when exactly as long (and the chunk has more than one query).
+        causal = mask is None and end - start > 1
+        parts.append(_attend_lse(qs, k, v, scale, mask, causal=causal))
         out[start:end] = _merge(parts)[0].transpose(0, 1)
     return out
 
@@ -126,11 +129,21 @@ def _read(cache: torch.Tensor, segment: Segment) -> torch.Tensor:
 
 
 def _attend_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[1, H, q_len, D]`` over one key segment: (out ``[1, H, q_len, D]``, logsumexp)."""
+    """q ``[1, H, q_len, D]`` over one key segment: (out ``[1, H, q_len, D]``, logsumexp).
+
+    A prefix segment is fully visible (the default). The caller says when a segment is
+    causal: never inferred from lengths, since a prefix run can be exactly as long as the
+    query chunk.
+    """
     k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    causal = mask is None and q.shape[2] == k.shape[2] > 1
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, is_causal=causal, attn_mask=mask, scale=scale
     )

@@ -129,6 +129,17 @@ def test_tables_of_several_consecutive_runs_match_reference(backend, run):
     check(specs, backend, run=run, kv_heads=1, group=3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("run", [1, 2])
+def test_a_query_as_long_as_a_prefix_run_sees_that_whole_run(backend, run):
+    # Regression: the torch path inferred "causal" from q_len == key count, so a cached
+    # prefix run exactly as long as the query chunk was masked causally (wrong outputs for a
+    # prompt whose uncached suffix is one block, over scattered cached blocks).
+    tokens = 8 * run
+    specs = [(4 * tokens, tokens), (3 * tokens, tokens), (2 * tokens + 3, tokens + 3)]
+    check(specs, backend, run=run)
+
+
 def test_runs_of_a_cached_prefix_in_bf16_match_reference():
     check([(37, 9), (29, 2), (9, 1)], "torch", run=2, dtype=torch.bfloat16, atol=2e-2)
 
