@@ -29,7 +29,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--quick", action="store_true", help="smoke run (4 requests, 2 shown, 16 answer tokens)"
+        "--quick", action="store_true", help="smoke run (3 requests, 2 shown, 8 answer tokens)"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true")
@@ -48,15 +48,15 @@ def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.runner import BenchConfig, run_bench
     from ragkv.bench.workload import SyntheticConfig, synthetic_workload
 
-    requests, show = (4, min(args.show, 2)) if args.quick else (args.requests, args.show)
-    answer_tokens = min(args.answer_tokens, 16) if args.quick else args.answer_tokens
+    requests, show = (3, min(args.show, 2)) if args.quick else (args.requests, args.show)
+    answer_tokens = min(args.answer_tokens, 8) if args.quick else args.answer_tokens
     workload = synthetic_workload(
         SyntheticConfig(requests=requests, topics=args.topics, seed=args.seed)
     )
     config = BenchConfig(
         model=args.model,
         dtype=args.dtype,
-        max_tokens=4 if args.quick else 8,
+        max_tokens=2 if args.quick else 8,
         concurrency=4,
         progress=not (args.no_progress or args.json),
     )
