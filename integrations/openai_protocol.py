@@ -108,6 +108,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    tenant: str | None = None  # set by the server from the API key, never by the body
     return_token_ids: bool = False
     prompt: str | list[int] | None = None  # /v1/completions
     messages: list[dict[str, str]] = field(default_factory=list)  # /v1/chat/completions

@@ -282,6 +282,7 @@ async def _parse(
         parsed = _decode(raw, parse, served.limits)
     _check_model(parsed, served)
     tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
+    parsed.tenant = tenant
     parsed.cache_salt = tenant_salt(tenant, parsed.cache_salt)
     return parsed
 
@@ -368,6 +369,9 @@ def _chat_prompt(served: _Served, parsed: GenerationRequest) -> tuple[list[int],
         system=system,
         history=history,
         cache_salt=parsed.cache_salt,
+        # Learned chunk order is the tenant's, whatever salts its clients pick: a client
+        # cycling salts cannot evict other tenants' state.
+        namespace=parsed.tenant,
     )
     stats = prepared.dedup.stats
     extra = {

@@ -73,11 +73,11 @@ class Pipeline:
     so the default assembler keeps whatever chunks it is given. ``registry`` is shared with
     the assembler (a given ``assembler`` brings its own).
 
-    ``isolate_by_salt=True`` gives every ``cache_salt`` its own assembler state (a
-    :meth:`~ragkv.assembler.Assembler.fork`: chunk stability, learned system-prompt heads,
-    prefix tree), so one tenant's traffic never reorders, or reveals, another's prompts; at
-    most ``max_namespaces`` salts are remembered (least recently used forgotten). Requests
-    without a salt share the base assembler.
+    ``isolate_by_salt=True`` gives every ``cache_salt`` (or ``namespace``) its own
+    assembler state (a :meth:`~ragkv.assembler.Assembler.fork`: chunk stability, learned
+    system-prompt heads, prefix tree), so one tenant's traffic never reorders, or reveals,
+    another's prompts; at most ``max_namespaces`` are remembered (least recently used
+    forgotten). Requests without either share the base assembler.
     """
 
     def __init__(
@@ -114,18 +114,18 @@ class Pipeline:
         self._namespaces: OrderedDict[str, Assembler] = OrderedDict()
         self._namespaces_lock = threading.Lock()
 
-    def assembler_for(self, cache_salt: str | None) -> Assembler:
-        """The assembler whose learned state serves requests with ``cache_salt``."""
-        if not self.isolate_by_salt or cache_salt is None:
+    def assembler_for(self, namespace: str | None) -> Assembler:
+        """The assembler whose learned state serves ``namespace`` (by default the salt)."""
+        if not self.isolate_by_salt or namespace is None:
             return self.assembler
         with self._namespaces_lock:
-            assembler = self._namespaces.get(cache_salt)
+            assembler = self._namespaces.get(namespace)
             if assembler is None:
-                assembler = self._namespaces[cache_salt] = self.assembler.fork()
+                assembler = self._namespaces[namespace] = self.assembler.fork()
                 if len(self._namespaces) > self.max_namespaces:
                     self._namespaces.popitem(last=False)
             else:
-                self._namespaces.move_to_end(cache_salt)
+                self._namespaces.move_to_end(namespace)
             return assembler
 
     def prepare(
@@ -136,8 +136,14 @@ class Pipeline:
         system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
         cache_salt: str | None = None,
+        namespace: str | None = None,
     ) -> Prepared:
-        """Dedup and assemble without generating (what :meth:`answer` sends to the engine)."""
+        """Dedup and assemble without generating (what :meth:`answer` sends to the engine).
+
+        ``namespace`` picks whose learned assembler state serves the request when the
+        pipeline isolates (``isolate_by_salt``); it defaults to ``cache_salt``. A server
+        passes its tenant here, so a client cannot multiply namespaces by varying salts.
+        """
         t0 = time.perf_counter()
         chunk_list = list(chunks)
         if self.dedup_enabled:
@@ -148,7 +154,7 @@ class Pipeline:
         residency = getattr(self.engine, "cached_prefix_length", None)
         if residency is not None:
             residency = functools.partial(residency, cache_salt=cache_salt)
-        plan = self.assembler_for(cache_salt).assemble(
+        plan = self.assembler_for(namespace if namespace is not None else cache_salt).assemble(
             system=system,
             chunks=result.chunks,
             question=question,

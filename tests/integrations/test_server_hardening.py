@@ -270,6 +270,37 @@ def test_one_tenants_traffic_never_reorders_anothers_chunks(serve, serve_engine)
     assert bobs == [0, 1]  # bob is served the order a fresh assembler picks
 
 
+def test_learned_order_belongs_to_the_tenant_not_to_each_client_salt(serve, serve_engine):
+    """A tenant's clients share its learned order whatever salts they pick, so a client
+    cycling salts neither starts over nor pushes other tenants' state out."""
+    import ragkv
+
+    passages = [f"Passage {i}: " + "blocks of keys and values stay cached. " * 3 for i in range(6)]
+    pair = [passages[4], passages[2]]
+    fresh = ragkv.Pipeline(serve_engine).prepare("q?", pair).plan
+    first, second = (pair[s.index] for s in fresh.spans("chunk"))
+    hot = [p for p in passages if p not in pair][:3]
+    url, _ = serve(api_keys=KEYS)
+    alice = as_tenant(next(iter(KEYS)))
+
+    def ask(chunks, salt):
+        body = {
+            "messages": [{"role": "user", "content": "q?"}],
+            "ragkv": {"chunks": chunks},
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "cache_salt": salt,
+            **GREEDY,
+        }
+        return http.post("/v1/chat/completions", json=body, headers=alice)
+
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for i, other in enumerate((hot[0], hot[1], hot[2], hot[0])):
+            assert ask([second, other], f"salt-{i}").status_code == 200
+        order = chunk_order(serve_engine, ask([first, second], "another-salt"), [first, second])
+    assert order == [1, 0]
+
+
 # -- 4. size limits: refused before any tokenization ---------------------------------------------
 
 
