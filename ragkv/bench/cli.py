@@ -14,7 +14,7 @@ from ragkv.bench.lanes import LANES
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
-DEFAULT_REQUESTS, DEFAULT_TOPICS = 60, 15
+DEFAULT_REQUESTS, DEFAULT_TOPICS = 48, 12
 FULL_REQUESTS, FULL_TOPICS = 200, 50
 
 
@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--full",
         action="store_true",
-        help=f"the full-size workload ({FULL_REQUESTS} requests, about 3x longer than the default)",
+        help=f"the full-size workload ({FULL_REQUESTS} requests, about 4x longer than the default)",
     )
     g = p.add_argument_group("synthetic workload")
     g.add_argument(

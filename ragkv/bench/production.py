@@ -62,8 +62,8 @@ _QUESTIONS = (
 class ProductionConfig:
     """Knobs of :func:`production_workload`; the defaults are the benchmark's default size."""
 
-    requests: int = 60
-    passages: int = 120
+    requests: int = 48
+    passages: int = 96
     zipf_s: float = 1.0
     top_k: int = 4
     duplicate_rate: float = 0.05

@@ -210,7 +210,8 @@ def run_bench(
         probe = make_engine(lanes[0])
         load_s = time.perf_counter() - t0
         try:
-            per_token, per_step = calibrate(probe)
+            mean = profile.sent_tokens // max(profile.requests, 1)
+            per_token, per_step = calibrate(probe, tokens=max(16, min(mean, 2048)))
         finally:
             probe.close()
         names = [spec.name for spec in lanes]
