@@ -22,23 +22,19 @@ TIMEOUT_S = 600  # per cell; whole notebooks take well under this on 2 cores
 def tiny_default_model(tmp_path_factory):
     """The embedded model's tokenizer and chat template on a 2-layer random-weight llama."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from support import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragkv.cache_engine import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = AutoConfig.for_model(
+    config = tiny_config(
         "llama",
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=8192,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
