@@ -33,6 +33,7 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # ``seed`` is a signed 64-bit integer, as in OpenAI's and vLLM's schemas; torch's generator
 # overflows past it, so a larger one is a 400 here rather than a failure inside the engine.
+# A negative seed is taken as its two's complement (the engine's seeds are unsigned).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -433,7 +434,7 @@ def _seed(body: dict[str, Any]) -> int | None:
     seed = _get(body, "seed", int, None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         raise APIError(400, f"seed must be a signed 64-bit integer, got {seed}", param="seed")
-    return seed
+    return None if seed is None else seed % 2**64
 
 
 def _stop(stop: Any, limits: RequestLimits) -> list[str] | None:

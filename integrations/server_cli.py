@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from ragkv.cache_engine.sampling_params import MAX_STOP_STRINGS
 from ragkv.errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_CHUNK_BYTES = 32 << 10
 DEFAULT_MAX_CHUNKS = 64
 DEFAULT_MAX_RAG_BYTES = 256 << 10
-DEFAULT_MAX_STOP_STRINGS = 16
+# The engine's own cap (OpenAI's 4): the flag can only lower it.
+DEFAULT_MAX_STOP_STRINGS = MAX_STOP_STRINGS
 # Host names a loopback server answers to (with any port); see --allowed-hosts.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Tenant of every request on a server with one --api-key, and on one with none.

@@ -95,11 +95,12 @@ def test_a_seed_beyond_int64_is_a_400_naming_seed(client):
             json={"prompt": "abc", "max_tokens": 1, "temperature": 1, "seed": seed},
         )
         assert_openai_400(response, "seed")
-    ok = client.post(
-        "/v1/completions",
-        json={"prompt": "abc", "max_tokens": 1, "temperature": 1, "seed": 2**63 - 1},
-    )
-    assert ok.status_code == 200, ok.text
+    for seed in (2**63 - 1, -1, -(2**63)):  # negative seeds: their two's complement
+        ok = client.post(
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 1, "temperature": 1, "seed": seed},
+        )
+        assert ok.status_code == 200, ok.text
 
 
 LONE_SURROGATE = "\\ud800"  # a JSON escape: json.loads turns it into a lone surrogate
