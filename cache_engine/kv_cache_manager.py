@@ -166,15 +166,7 @@ class KVCacheManager:
 
     def slot_mapping(self, request: CacheRequest, start: int, end: int) -> list[int]:
         """KV slots (``block_id * block_size + offset``) of token positions ``[start, end)``."""
-        size, table = self.block_size, self.block_table(request)
-        slots: list[int] = []
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // size + 1) * size)
-            base = table[pos // size] * size - pos // size * size
-            slots.extend(range(base + pos, base + stop))
-            pos = stop
-        return slots
+        return slot_mapping(self.block_table(request), self.block_size, start, end)
 
     def stats(self) -> CacheStats:
         """A copy of the counters with the pool's current occupancy."""
@@ -220,6 +212,18 @@ class KVCacheManager:
                 state.cacheable = False
                 break
         state.num_cached_blocks = num_full
+
+
+def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """KV slots (``block_id * block_size + offset``) of positions ``[start, end)`` of a table."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        stop = min(end, (pos // block_size + 1) * block_size)
+        base = block_table[pos // block_size] * block_size - pos // block_size * block_size
+        slots.extend(range(base + pos, base + stop))
+        pos = stop
+    return slots
 
 
 def _catch_up(hasher: BlockHasher, token_ids: list[int]) -> None:
