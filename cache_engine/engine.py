@@ -11,32 +11,23 @@ of threads) share one submission path and differ only in how they wait for event
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
-from ragkv.cache_engine.config import (
-    EngineConfig,
-    default_kv_bytes,
-    resolve_device,
-    resolve_dtype,
-)
+from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.engine_core import EngineCore
+from ragkv.cache_engine.input_processor import InputProcessor, Prompt, pair_prompts
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
-from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
 from ragkv.cache_engine.request import Request
-from ragkv.cache_engine.sampler import make_generator
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.cache_engine.scheduler import Scheduler
-from ragkv.errors import ConfigError, InvalidInputError, PromptTooLongError, RagkvError
-
-Prompt = str | Sequence[int]
+from ragkv.errors import RagkvError
 
 
 class Engine:
@@ -49,50 +40,31 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.config = config = config or EngineConfig()
-        if config.model is None:
-            from ragkv.cache_engine.default_model import default_model_path
-
-            path = Path(default_model_path())
-        else:
-            path = Path(config.model).expanduser()
-        model_config = read_config(path)
-        check_supported(model_config)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        context = int(model_config.get("max_position_embeddings") or 2048)
-        if config.max_model_len is not None and config.max_model_len > context:
-            raise ConfigError(
-                f"max_model_len must be between 2 and the model context ({context} tokens), "
-                f"got {config.max_model_len}",
-                param="max_model_len",
-            )
-        tokens, kv_bytes = config.kv_cache_tokens, config.kv_cache_bytes
-        self.runner = ModelRunner(
-            path,
-            device=device,
-            dtype=dtype,
-            block_size=config.block_size,
-            num_blocks=None if tokens is None else tokens // config.block_size,
-            kv_cache_bytes=default_kv_bytes(device) if tokens is kv_bytes is None else kv_bytes,
-            backend=config.backend,
-        )
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model_name = model_config.get("_name_or_path") or path.name
+        self.runner = ModelRunner.from_config(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.path)
+        self.model_name = self.runner.model_name
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or context
+        self.max_model_len = self.runner.max_model_len
         self.enable_prefix_caching = config.enable_prefix_caching
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             algo=config.hash_algo,
-            extra_keys=[("model", model_identity(path, model_config, str(dtype)))],
+            extra_keys=[("model", self.runner.identity)],
         )
         self.scheduler = Scheduler.from_config(self.kv, config, self.max_model_len)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, outputs)
-        self._ids = itertools.count()
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            vocab_size=self.runner.vocab_size,
+            max_model_len=self.max_model_len,
+            model_name=self.model_name,
+            scheduler=self.scheduler,
+            outputs=outputs,
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -128,20 +100,7 @@ class Engine:
 
         Prompts are token-id lists or strings (tokenized with the model's tokenizer).
         """
-        single = _is_single_prompt(prompts)
-        batch = [prompts] if single else list(prompts)
-        if not batch:
-            raise InvalidInputError("generate() needs at least one prompt", param="prompt")
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(batch)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(batch):
-                raise InvalidInputError(
-                    f"got {len(params_list)} SamplingParams for {len(batch)} prompts; pass one "
-                    "SamplingParams for all or one per prompt",
-                    param="params",
-                )
+        single, batch, params_list = pair_prompts(prompts, params)
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         ids = self._start(batch, params_list, cache_salt, return_logits, events.put)
         results: dict[str, Output] = {}
@@ -214,7 +173,7 @@ class Engine:
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        probe = Request(f"probe-{next(self._ids)}", list(token_ids), SamplingParams())
+        probe = Request(self.inputs.next_id("probe"), list(token_ids), SamplingParams())
         probe.salt_digest = salt_digest
         with self.core.lock:
             try:
@@ -274,62 +233,7 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, keep_logits: bool
     ) -> RequestState:
         self.core.check_open()
-        if not isinstance(params, SamplingParams):
-            raise InvalidInputError(
-                f"params must be SamplingParams, got {type(params).__name__}", param="params"
-            )
-        params.validate(vocab_size=self.runner.vocab_size)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
-        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        token_ids = self._prompt_ids(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
-                "and at least one token must be generated. Shorten the prompt (e.g. "
-                "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
-                param="prompt",
-            )
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        request = Request(
-            f"req-{next(self._ids)}",
-            token_ids,
-            params,
-            salt_digest=salt_digest,
-            keep_logits=keep_logits,
-            stop_token_ids=eos | frozenset(params.stop_token_ids),
-            generator=make_generator(params),
-        )
-        self.scheduler.check_fits(request)
-        return self.core.outputs.new_state(request)
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidInputError("prompt is empty", param="prompt")
-            if not prompt.isascii():
-                _check_utf8(prompt, "prompt")
-            # Checked below like caller ids: a tokenizer may know more ids than the model has
-            # embeddings for, or none for this text; either would fail a shared step.
-            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if not prompt:
-                raise InvalidInputError("prompt has no tokens once tokenized", param="prompt")
-        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
-            raise InvalidInputError(
-                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
-                param="prompt",
-            )
-        ids = list(prompt)
-        if not ids:
-            raise InvalidInputError("prompt is empty: pass at least one token id", param="prompt")
-        vocab = self.runner.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidInputError(
-                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}",
-                    param="prompt",
-                )
-        return ids
+        return self.inputs.process(prompt, params, cache_salt, keep_logits)
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)
@@ -339,23 +243,3 @@ def _delta(event: StreamDelta | BaseException) -> StreamDelta:
     if isinstance(event, BaseException):
         raise event
     return event
-
-
-def _check_utf8(text: str, param: str) -> None:
-    """Refuse text that has no UTF-8 form (lone surrogates, e.g. from a bad JSON escape)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(
-            f"{param} is not valid Unicode: {exc.reason} at index {exc.start} "
-            f"({text[exc.start : exc.end]!r}); send UTF-8 text without lone surrogates",
-            param=param,
-        ) from None
-
-
-def _is_single_prompt(prompts: Any) -> bool:
-    if isinstance(prompts, str):
-        return True
-    if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):
-        return True
-    return isinstance(prompts, Sequence) and not prompts

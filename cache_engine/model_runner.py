@@ -20,9 +20,12 @@ from typing import Any
 import torch
 
 from ragkv.cache_engine.attention import ATTN_IMPLEMENTATION, StepContext, register_attention
+from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
 from ragkv.cache_engine.kv_cache_manager import slot_mapping
+from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
 from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragkv.errors import ConfigError
 from ragkv.kernels import plan_attention
 from ragkv.kernels.dispatch import use_triton
 
@@ -71,6 +74,9 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         register_attention()
+        self.path, self.model_name = path, path.name
+        self.max_model_len = 0  # from_config sets these from the checkpoint's config.json
+        self.identity = b""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -105,6 +111,48 @@ class ModelRunner:
             block_size,
             num_blocks * self.bytes_per_block() / 2**20,
         )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Check the checkpoint, resolve device, dtype and pool size, load the model.
+
+        Sets ``path``, ``model_name``, ``max_model_len`` (the config's, or the model's
+        context) and ``identity`` (the model's part of every block hash).
+        """
+        if config.model is None:
+            from ragkv.cache_engine.default_model import default_model_path
+
+            path = Path(default_model_path())
+        else:
+            path = Path(config.model).expanduser()
+        model_config = read_config(path)
+        check_supported(model_config)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        context = int(model_config.get("max_position_embeddings") or 2048)
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ConfigError(
+                f"max_model_len must be between 2 and the model context ({context} tokens), "
+                f"got {config.max_model_len}",
+                param="max_model_len",
+            )
+        tokens, kv_bytes = config.kv_cache_tokens, config.kv_cache_bytes
+        if tokens is None and kv_bytes is None:
+            kv_bytes = default_kv_bytes(device)
+        runner = cls(
+            path,
+            device=device,
+            dtype=dtype,
+            block_size=config.block_size,
+            num_blocks=None if tokens is None else tokens // config.block_size,
+            kv_cache_bytes=kv_bytes,
+            backend=config.backend,
+        )
+        runner.path = path
+        runner.model_name = model_config.get("_name_or_path") or path.name
+        runner.max_model_len = config.max_model_len or context
+        runner.identity = model_identity(path, model_config, str(dtype))
+        return runner
 
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()

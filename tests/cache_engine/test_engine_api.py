@@ -285,11 +285,11 @@ def test_closed_engine_refuses_new_requests(llama_dir):
 
 def test_string_prompt_ids_are_checked_against_the_model_vocabulary(engine, monkeypatch):
     vocab = engine.runner.vocab_size
-    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": [1, vocab]})
+    monkeypatch.setattr(engine.inputs, "tokenizer", lambda text, **kw: {"input_ids": [1, vocab]})
     with pytest.raises(InvalidInputError, match="outside the vocabulary") as info:
         engine.generate("a tokenizer with more ids than the model")
     assert info.value.param == "prompt"
-    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": []})
+    monkeypatch.setattr(engine.inputs, "tokenizer", lambda text, **kw: {"input_ids": []})
     with pytest.raises(InvalidInputError, match="no tokens") as info:
         engine.generate("   ")
     assert engine.stats().steps == 0
