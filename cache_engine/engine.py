@@ -53,7 +53,7 @@ class Engine:
             algo=config.hash_algo,
             extra_keys=[("model", self.runner.identity)],
         )
-        self.scheduler = Scheduler.from_config(self.kv, config, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config, self.max_model_len)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, outputs)

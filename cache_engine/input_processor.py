@@ -8,7 +8,8 @@ so a bad value fails its caller and never a shared step (Invariant 9).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
@@ -22,26 +23,17 @@ from ragkv.errors import InvalidInputError, PromptTooLongError
 Prompt = str | Sequence[int]
 
 
+@dataclass(slots=True)
 class InputProcessor:
     """Turns a caller's prompt and parameters into a :class:`RequestState` ready to queue."""
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        vocab_size: int,
-        max_model_len: int,
-        model_name: str,
-        scheduler: Scheduler,
-        outputs: OutputProcessor,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.model_name = model_name
-        self.scheduler = scheduler
-        self.outputs = outputs
-        self._ids = itertools.count()
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    model_name: str
+    scheduler: Scheduler
+    outputs: OutputProcessor
+    _ids: Iterator[int] = field(default_factory=itertools.count)
 
     def next_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"

@@ -22,6 +22,7 @@ from typing import Protocol
 from ragkv.cache_engine.block_hash import BlockHasher, HashFn, encode_extra_keys
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.errors import ConfigError
 
 
@@ -52,7 +53,7 @@ class KVCacheManager:
         block_size: int,
         *,
         enable_caching: bool = True,
-        algo: str | HashFn = "xxh3_128",
+        algo: str | HashFn = DEFAULTS.hash_algo,
         extra_keys: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:

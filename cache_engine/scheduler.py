@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ragkv.cache_engine.config import DEFAULTS, EngineConfig, SchedulePolicy
+from ragkv.cache_engine.config import DEFAULTS, EngineConfig
 from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.errors import CacheCapacityError, PromptTooLongError
 
@@ -62,36 +62,16 @@ class Scheduler:
     """Waiting and running queues over a :class:`~ragkv.cache_engine.KVCacheManager`."""
 
     def __init__(
-        self,
-        kv_manager,
-        *,
-        max_num_seqs: int = DEFAULTS.max_num_seqs,
-        max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
-        enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching,
-        policy: SchedulePolicy = DEFAULTS.schedule_policy,
-        max_model_len: int | None = None,
+        self, kv_manager, config: EngineConfig = DEFAULTS, max_model_len: int | None = None
     ) -> None:
+        # Reads max_num_seqs, max_num_batched_tokens, enable_prefix_caching and
+        # schedule_policy from ``config`` (validated when it was built).
         self.kv = kv_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_prefix_caching = enable_prefix_caching
-        self.policy = policy
+        self.config = config
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-
-    @classmethod
-    def from_config(cls, kv_manager, config: EngineConfig, max_model_len: int) -> Scheduler:
-        """The scheduler an engine of ``config`` uses (the config is already validated)."""
-        return cls(
-            kv_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.schedule_policy,
-            max_model_len=max_model_len,
-        )
 
     # -- queue management -------------------------------------------------------------
     def blocks_needed(self, request: Request) -> int:
@@ -144,7 +124,7 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -180,13 +160,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if self.policy == "longest-prefix" and len(self.waiting) > 1:
+        if self.config.schedule_policy == "longest-prefix" and len(self.waiting) > 1:
             self._order_by_cached_prefix(out)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
                 blocks, num_computed = [], 0
-                if self.enable_prefix_caching:
+                if self.config.enable_prefix_caching:
                     blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
                 num_new = min(request.num_tokens - num_computed, budget)
                 allocated = self.kv.allocate_slots(request, num_new, blocks)
@@ -195,7 +175,7 @@ class Scheduler:
                 continue
             if allocated is None:
                 break
-            if self.enable_prefix_caching:  # counted once admitted, not per retry
+            if self.config.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -242,7 +222,7 @@ class Scheduler:
             try:
                 cached[request] = (
                     self.kv.get_computed_blocks(request, record=False)[1]
-                    if self.enable_prefix_caching
+                    if self.config.enable_prefix_caching
                     else 0
                 )
             except Exception as exc:  # its own hashing: it alone fails

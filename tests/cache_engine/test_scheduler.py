@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ragkv.cache_engine import KVCacheManager, SamplingParams
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import CacheCapacityError, PromptTooLongError
@@ -24,7 +25,7 @@ class PoisonedManager(KVCacheManager):
 @pytest.mark.parametrize("policy", ["fcfs", "longest-prefix"])
 def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_scheduled(policy):
     kv = PoisonedManager(num_blocks=32, block_size=4)
-    scheduler = Scheduler(kv, policy=policy)
+    scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy))
     requests = [
         Request(rid, list(range(i, i + 10)), SamplingParams(max_tokens=2))
         for i, rid in enumerate(["a", "bad", "c"])
@@ -92,7 +93,7 @@ def slices(out) -> list[tuple[str, int, int]]:
 
 
 def test_the_token_budget_chunks_the_prefill_that_does_not_fit():
-    scheduler = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=16)
+    scheduler = Scheduler(KVCacheManager(64, 4), DEFAULTS.replace(max_num_batched_tokens=16))
     for i, rid in enumerate("abc"):
         scheduler.add(make(rid, 10, first=100 * (i + 1)))
     out = scheduler.schedule()
@@ -105,7 +106,7 @@ def test_the_token_budget_chunks_the_prefill_that_does_not_fit():
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_then_decodes():
-    scheduler = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=16)
+    scheduler = Scheduler(KVCacheManager(64, 4), DEFAULTS.replace(max_num_batched_tokens=16))
     request = make("long", 40, max_tokens=2)
     scheduler.add(request)
     steps = [slices(run_step(scheduler)) for _ in range(4)]
@@ -154,7 +155,7 @@ def test_longest_prefix_admits_the_request_with_the_longest_cached_prefix_first(
 
     def admitted_first(policy: str) -> str:
         kv = KVCacheManager(num_blocks=64, block_size=4)
-        scheduler = Scheduler(kv, policy=policy, max_num_seqs=1)
+        scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy, max_num_seqs=1))
         warm = Request("warm", shared + [1], SamplingParams(max_tokens=1))
         scheduler.add(warm)
         run_step(scheduler)  # finishes at once; its blocks stay cached
