@@ -203,9 +203,7 @@ class EngineCore:
                     self._fail_unschedulable()
                 return
             self._count(batch, time.perf_counter())
-        model_start = time.perf_counter()
         result = self.runner.execute(batch)
-        model_end = time.perf_counter()
         with self.lock:
             self._update(batch, result)
             stats = self.stats
@@ -213,7 +211,7 @@ class EngineCore:
             stats.peak_used_blocks = max(
                 stats.peak_used_blocks, self.kv.pool.num_blocks - self.kv.num_free_blocks
             )
-            stats.model_s += model_end - model_start
+            stats.model_s += result.forward_s
             stats.step_s += time.perf_counter() - started
 
     def _count(self, batch: SchedulerOutput, now: float) -> None:

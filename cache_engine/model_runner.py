@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     logits: list[torch.Tensor | None]
+    forward_s: float = 0.0  # wall time of the model forward alone
 
 
 class ModelRunner:
@@ -172,7 +174,9 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: build its inputs, run the model, sample every finishing slice."""
         inputs = self.prepare(batch.chunks)
+        started = time.perf_counter()
         logits = self.forward(inputs)
+        forward_s = time.perf_counter() - started
         sampling = [chunk.request for chunk in batch.chunks if chunk.samples]
         sampled = SamplerOutput([], [])
         if sampling:
@@ -185,7 +189,7 @@ class ModelRunner:
             None if rows is None else logits[rows.start : rows.stop].clone()
             for rows in inputs.kept_rows
         ]
-        return StepResult(sampled.token_ids, sampled.logprobs, kept)
+        return StepResult(sampled.token_ids, sampled.logprobs, kept, forward_s)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows."""
