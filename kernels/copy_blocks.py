@@ -6,7 +6,7 @@ intermediate gathered tensor.
 
 Nothing in the engine calls it yet: it is kept, tested, for the two planned features that
 move whole blocks, KV tiers (evicted blocks spill to host memory and load back) and chunk
-reuse (a chunk's KV copied from where it was computed); see ARCHITECTURE.md's data flow.
+reuse (a chunk's KV copied from where it was computed).
 """
 
 from __future__ import annotations
