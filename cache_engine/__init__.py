@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ragkv.cache_engine.block_hash import BlockHasher, block_hashes
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
+from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.default_model import default_model_path
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 
@@ -49,6 +50,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Engine",
+    "EngineConfig",
     "EngineHealth",
     "EngineStats",
     "Output",

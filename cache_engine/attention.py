@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 
 from ragkv.errors import RagkvError
-from ragkv.kernels import paged_attention, store_kv
+from ragkv.kernels import AttentionPlan, paged_attention, store_kv
 
 ATTN_IMPLEMENTATION = "ragkv_paged"
 
@@ -34,6 +34,7 @@ class StepContext:
     max_seqlen_q: int
     max_seqlen_k: int
     backend: str = "auto"
+    plan: AttentionPlan | None = None  # torch path: built once per step, read by every layer
 
 
 def paged_attention_forward(
@@ -79,6 +80,7 @@ def paged_attention_forward(
         max_seqlen_q=ragkv_step.max_seqlen_q,
         max_seqlen_k=ragkv_step.max_seqlen_k,
         backend=ragkv_step.backend,
+        plan=ragkv_step.plan,
     )
     return out.unsqueeze(0), None
 

@@ -22,6 +22,7 @@ from typing import Protocol
 from ragkv.cache_engine.block_hash import BlockHasher, HashFn, encode_extra_keys
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.errors import ConfigError
 
 
@@ -52,7 +53,7 @@ class KVCacheManager:
         block_size: int,
         *,
         enable_caching: bool = True,
-        algo: str | HashFn = "xxh3_128",
+        algo: str | HashFn = DEFAULTS.hash_algo,
         extra_keys: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -166,15 +167,7 @@ class KVCacheManager:
 
     def slot_mapping(self, request: CacheRequest, start: int, end: int) -> list[int]:
         """KV slots (``block_id * block_size + offset``) of token positions ``[start, end)``."""
-        size, table = self.block_size, self.block_table(request)
-        slots: list[int] = []
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // size + 1) * size)
-            base = table[pos // size] * size - pos // size * size
-            slots.extend(range(base + pos, base + stop))
-            pos = stop
-        return slots
+        return slot_mapping(self.block_table(request), self.block_size, start, end)
 
     def stats(self) -> CacheStats:
         """A copy of the counters with the pool's current occupancy."""
@@ -220,6 +213,18 @@ class KVCacheManager:
                 state.cacheable = False
                 break
         state.num_cached_blocks = num_full
+
+
+def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """KV slots (``block_id * block_size + offset``) of positions ``[start, end)`` of a table."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        stop = min(end, (pos // block_size + 1) * block_size)
+        base = block_table[pos // block_size] * block_size - pos // block_size * block_size
+        slots.extend(range(base + pos, base + stop))
+        pos = stop
+    return slots
 
 
 def _catch_up(hasher: BlockHasher, token_ids: list[int]) -> None:

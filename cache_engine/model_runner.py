@@ -1,29 +1,41 @@
-"""Loads a Hugging Face causal LM, owns its paged KV tensors, and runs one varlen step.
+"""Loads a Hugging Face causal LM, owns its paged KV tensors, and runs one step: the
+scheduled slices in, one sampled token per finishing slice out.
 
 A step is a flattened batch ``[1, num_tokens]`` with explicit position ids: the slices of
-all scheduled requests back to back. Per-step metadata travels to every attention layer
-as :class:`~ragkv.cache_engine.attention.StepContext`; the LM head runs only on the rows
-that are needed (the last row of each sampling request, or every row of a request that
-asked for its logits).
+all scheduled requests back to back. Its inputs and its attention metadata (with the
+torch path's :class:`~ragkv.kernels.AttentionPlan`) are built once, here, and travel to
+every attention layer as :class:`~ragkv.cache_engine.attention.StepContext`; the LM head
+runs only on the rows that are needed (the last row of each sampling request, or every
+row of a request that asked for its logits).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ragkv.cache_engine.attention import ATTN_IMPLEMENTATION, StepContext, register_attention
+from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
+from ragkv.cache_engine.kv_cache_manager import slot_mapping
+from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
+from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragkv.errors import ConfigError
+from ragkv.kernels import plan_attention
+from ragkv.kernels.dispatch import use_triton
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ModelInput:
-    """Host-side description of one step, built by the engine from the scheduled slices."""
+    """Host-side description of one step, built from the scheduled slices."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -32,6 +44,19 @@ class ModelInput:
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # flat token rows to project
+    sample_rows: list[int] = field(default_factory=list)  # per sampling chunk, into logits rows
+    kept_rows: list[range | None] = field(default_factory=list)  # per chunk: return_logits rows
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step computed: the token (and its logprobs, when asked) of each sampling chunk
+    in order, and per chunk the fp32 logits rows kept for ``return_logits`` (or None)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    logits: list[torch.Tensor | None]
+    forward_s: float = 0.0  # wall time of the model forward alone
 
 
 class ModelRunner:
@@ -51,6 +76,9 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         register_attention()
+        self.path, self.model_name = path, path.name
+        self.max_model_len = 0  # from_config sets these from the checkpoint's config.json
+        self.identity = b""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -66,6 +94,7 @@ class ModelRunner:
             config.hidden_size // config.num_attention_heads
         )
         self.vocab_size = config.vocab_size
+        self.sampler = Sampler()
         if num_blocks is None:
             num_blocks = max(1, (kv_cache_bytes or 0) // self.bytes_per_block())
         self.num_blocks = num_blocks
@@ -85,9 +114,109 @@ class ModelRunner:
             num_blocks * self.bytes_per_block() / 2**20,
         )
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Check the checkpoint, resolve device, dtype and pool size, load the model.
+
+        Sets ``path``, ``model_name``, ``max_model_len`` (the config's, or the model's
+        context) and ``identity`` (the model's part of every block hash).
+        """
+        if config.model is None:
+            from ragkv.cache_engine.default_model import default_model_path
+
+            path = Path(default_model_path())
+        else:
+            path = Path(config.model).expanduser()
+        model_config = read_config(path)
+        check_supported(model_config)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        context = int(model_config.get("max_position_embeddings") or 2048)
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ConfigError(
+                f"max_model_len must be between 2 and the model context ({context} tokens), "
+                f"got {config.max_model_len}",
+                param="max_model_len",
+            )
+        tokens, kv_bytes = config.kv_cache_tokens, config.kv_cache_bytes
+        if tokens is None and kv_bytes is None:
+            kv_bytes = default_kv_bytes(device)
+        runner = cls(
+            path,
+            device=device,
+            dtype=dtype,
+            block_size=config.block_size,
+            num_blocks=None if tokens is None else tokens // config.block_size,
+            kv_cache_bytes=kv_bytes,
+            backend=config.backend,
+        )
+        runner.path = path
+        runner.model_name = model_config.get("_name_or_path") or path.name
+        runner.max_model_len = config.max_model_len or context
+        runner.identity = model_identity(path, model_config, str(dtype))
+        return runner
+
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def eos_token_ids(self, tokenizer: Any) -> frozenset[int]:
+        """The model's EOS ids: its generation config's, its config's and the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Run one step: build its inputs, run the model, sample every finishing slice."""
+        inputs = self.prepare(batch.chunks)
+        started = time.perf_counter()
+        logits = self.forward(inputs)
+        forward_s = time.perf_counter() - started
+        sampling = [chunk.request for chunk in batch.chunks if chunk.samples]
+        sampled = SamplerOutput([], [])
+        if sampling:
+            sampled = self.sampler(
+                logits[inputs.sample_rows],
+                [r.params for r in sampling],
+                [r.generator for r in sampling],
+            )
+        kept = [
+            None if rows is None else logits[rows.start : rows.stop].clone()
+            for rows in inputs.kept_rows
+        ]
+        return StepResult(sampled.token_ids, sampled.logprobs, kept, forward_s)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows."""
+        batch = ModelInput()
+        for chunk in chunks:
+            request = chunk.request
+            first_row = batch.cu_seqlens_q[-1]
+            batch.input_ids.extend(request.token_ids[chunk.start : chunk.end])
+            batch.positions.extend(range(chunk.start, chunk.end))
+            batch.slot_mapping.extend(
+                slot_mapping(chunk.block_table, self.block_size, chunk.start, chunk.end)
+            )
+            batch.block_tables.append(chunk.block_table)
+            batch.cu_seqlens_q.append(first_row + chunk.num_tokens)
+            batch.seq_lens.append(chunk.end)
+            if request.keep_logits:
+                start = len(batch.logits_rows)
+                batch.logits_rows.extend(range(first_row, first_row + chunk.num_tokens))
+                batch.kept_rows.append(range(start, len(batch.logits_rows)))
+                if chunk.samples:
+                    batch.sample_rows.append(len(batch.logits_rows) - 1)
+            else:
+                batch.kept_rows.append(None)
+                if chunk.samples:
+                    batch.logits_rows.append(first_row + chunk.num_tokens - 1)
+                    batch.sample_rows.append(len(batch.logits_rows) - 1)
+        return batch
 
     def _metadata(self, values: list[int]) -> torch.Tensor | list[int]:
         # The torch (CPU) attention path takes host lists directly: no tensor round trip
@@ -96,23 +225,35 @@ class ModelRunner:
             return values
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-    @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Run one step; returns fp32 logits ``[len(batch.logits_rows), vocab]``."""
+    def step_context(self, batch: ModelInput) -> StepContext:
+        """The attention metadata of one step, shared by every layer."""
         device = self.device
         max_blocks = max(len(t) for t in batch.block_tables)
         padded = [blocks + [0] * (max_blocks - len(blocks)) for blocks in batch.block_tables]
         lengths_q = [b - a for a, b in itertools.pairwise(batch.cu_seqlens_q)]
-        step = StepContext(
+        block_table = torch.tensor(padded, dtype=torch.int32, device=device)
+        plan = None
+        if not use_triton(self.backend, block_table):
+            plan = plan_attention(
+                block_table, batch.cu_seqlens_q, batch.seq_lens, self.block_size, self.dtype
+            )
+        return StepContext(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
-            block_table=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_table=block_table,
             cu_seqlens_q=self._metadata(batch.cu_seqlens_q),
             seq_lens=self._metadata(batch.seq_lens),
             max_seqlen_q=max(lengths_q),
             max_seqlen_k=max(batch.seq_lens),
             backend=self.backend,
+            plan=plan,
         )
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        """Run the model over one step; returns fp32 logits ``[len(batch.logits_rows), vocab]``."""
+        device = self.device
+        step = self.step_context(batch)
         input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=device)

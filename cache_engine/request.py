@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ragkv.cache_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -24,6 +27,9 @@ class Request:
     the leading tokens whose K/V are in the cache; a step computes the next slice, and the
     request samples when that slice reaches the end of ``token_ids``. Preemption resets
     ``num_computed_tokens`` to 0: the request is recomputed (mostly from cached blocks).
+    ``stop_token_ids`` (the model's EOS unless ``ignore_eos``, plus ``params.stop_token_ids``)
+    end it as soon as one is sampled. What its caller receives (text, logprobs, logits)
+    is kept by the output processor, not here.
     """
 
     request_id: str
@@ -31,6 +37,8 @@ class Request:
     params: SamplingParams
     salt_digest: bytes | None = None  # block_hash.digest_salt(cache_salt); the salt is not kept
     keep_logits: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None  # seeded per request (sampler.make_generator)
     arrival_time: float = field(default_factory=time.perf_counter)
 
     token_ids: list[int] = field(init=False)
@@ -43,13 +51,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Engine-side companions, opaque to the scheduler.
-    generator: Any = None
-    detokenizer: Any = None
-    sink: Any = None
-    logprobs: list[Any] = field(default_factory=list)
-    logits: list[Any] = field(default_factory=list)  # rows kept for return_logits
-    logits_start: int = 0  # position of the first kept row
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

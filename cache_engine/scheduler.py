@@ -7,6 +7,10 @@ pool cannot hold a running request's next slice, the youngest running request is
 preempted: its blocks are freed (they stay findable in the prefix cache) and it goes back
 to the front of the waiting queue to be recomputed. Pure Python, no torch.
 
+After the step ran, :meth:`Scheduler.update` appends each sampled token and decides which
+requests finish on it (a stop token, ``max_tokens``, the context length); stop strings need
+the text, so the output processor decides those.
+
 A request whose own scheduling work raises (hashing its blocks, a lookup, an allocation)
 is taken out of the queues alone and reported in ``SchedulerOutput.failed``; the others
 are scheduled as if it had never been there (Invariant 9).
@@ -16,16 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from ragkv.cache_engine.config import DEFAULTS, EngineConfig
 from ragkv.cache_engine.request import Request, RequestStatus
-from ragkv.errors import CacheCapacityError, ConfigError, PromptTooLongError
+from ragkv.errors import CacheCapacityError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
-
-SchedulePolicy = Literal["fcfs", "longest-prefix"]
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    block_table: list[int]  # the request's blocks in token order (the manager's live list)
 
     @property
     def end(self) -> int:
@@ -57,24 +62,12 @@ class Scheduler:
     """Waiting and running queues over a :class:`~ragkv.cache_engine.KVCacheManager`."""
 
     def __init__(
-        self,
-        kv_manager,
-        *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
-        enable_prefix_caching: bool = True,
-        policy: SchedulePolicy = "fcfs",
-        max_model_len: int | None = None,
+        self, kv_manager, config: EngineConfig = DEFAULTS, max_model_len: int | None = None
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
-        if policy not in ("fcfs", "longest-prefix"):
-            raise ConfigError(f"unknown schedule policy {policy!r}; use 'fcfs' or 'longest-prefix'")
+        # Reads max_num_seqs, max_num_batched_tokens, enable_prefix_caching and
+        # schedule_policy from ``config`` (validated when it was built).
         self.kv = kv_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_prefix_caching = enable_prefix_caching
-        self.policy = policy
+        self.config = config
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -131,7 +124,7 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -160,19 +153,20 @@ class Scheduler:
                     return budget
             if allocated is None:  # failed and removed: i is now the next request
                 continue
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            start = request.num_computed_tokens
+            out.chunks.append(ScheduledChunk(request, start, num_new, self.kv.block_table(request)))
             budget -= num_new
             i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if self.policy == "longest-prefix" and len(self.waiting) > 1:
+        if self.config.schedule_policy == "longest-prefix" and len(self.waiting) > 1:
             self._order_by_cached_prefix(out)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
                 blocks, num_computed = [], 0
-                if self.enable_prefix_caching:
+                if self.config.enable_prefix_caching:
                     blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
                 num_new = min(request.num_tokens - num_computed, budget)
                 allocated = self.kv.allocate_slots(request, num_new, blocks)
@@ -181,7 +175,7 @@ class Scheduler:
                 continue
             if allocated is None:
                 break
-            if self.enable_prefix_caching:  # counted once admitted, not per retry
+            if self.config.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -189,8 +183,38 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_computed, num_new))
+            block_table = self.kv.block_table(request)
+            out.chunks.append(ScheduledChunk(request, num_computed, num_new, block_table))
             budget -= num_new
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """Take in what the step computed: ``sampled[i]`` is the token of the i-th sampling chunk.
+
+        Appends each token and finishes (frees) a request that ends on it: a stop token
+        first ("stop"), then ``max_tokens`` or the context length ("length"). Returns the
+        requests that sampled, in order, finished or not.
+        """
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        sampling = [chunk.request for chunk in out.chunks if chunk.samples]
+        now = time.perf_counter()
+        for request, token in zip(sampling, sampled, strict=True):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+        return sampling
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if token in request.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= request.params.max_tokens:
+            return "length"
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _order_by_cached_prefix(self, out: SchedulerOutput) -> None:
         cached: dict[Request, int] = {}
@@ -198,7 +222,7 @@ class Scheduler:
             try:
                 cached[request] = (
                     self.kv.get_computed_blocks(request, record=False)[1]
-                    if self.enable_prefix_caching
+                    if self.config.enable_prefix_caching
                     else 0
                 )
             except Exception as exc:  # its own hashing: it alone fails
@@ -229,7 +253,6 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.logits.clear()  # recomputed rows replace them
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv.dedup.chunk import Chunk, encode_text, make_chunk
-from ragkv.dedup.gc_pause import paused_gc
 from ragkv.dedup.hashing import hasher
 from ragkv.dedup.merge import DUPLICATES, SOURCES, set_merged
 from ragkv.dedup.normalize import normalizer
@@ -81,8 +80,9 @@ class Deduplicator:
         """
         items = _as_list(chunks)
         stats = DedupStats(chunks_in=len(items))
-        with paused_gc():
-            return self._dedupe(items, stats)
+        # No gc.disable() around this: pausing the collector would pause it for the
+        # caller's other threads too; a library leaves interpreter state alone.
+        return self._dedupe(items, stats)
 
     def _dedupe(self, items: list[Any], stats: DedupStats) -> DedupResult:
         found = self._collapse(items, stats)

@@ -6,7 +6,14 @@ with ``backend="triton"`` or ``backend="torch"``. Importing this package never n
 
 from ragkv.kernels.copy_blocks import copy_blocks
 from ragkv.kernels.dispatch import Backend
-from ragkv.kernels.paged_attention import paged_attention
+from ragkv.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from ragkv.kernels.store_kv import store_kv
 
-__all__ = ["Backend", "copy_blocks", "paged_attention", "store_kv"]
+__all__ = [
+    "AttentionPlan",
+    "Backend",
+    "copy_blocks",
+    "paged_attention",
+    "plan_attention",
+    "store_kv",
+]

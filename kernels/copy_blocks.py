@@ -3,6 +3,10 @@
 Plain torch indexing is a single gather-scatter and as fast as a kernel on CPU, and the only
 option across devices; the Triton kernel serves same-device CUDA copies without the
 intermediate gathered tensor.
+
+Nothing in the engine calls it yet: it is kept, tested, for the two planned features that
+move whole blocks, KV tiers (evicted blocks spill to host memory and load back) and chunk
+reuse (a chunk's KV copied from where it was computed).
 """
 
 from __future__ import annotations

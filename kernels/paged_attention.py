@@ -9,13 +9,15 @@ stored) live in the blocks ``block_table[i]``::
     queries                                              | 0 ........... q_len-1
     query t sees keys 0 .. context + t  (bottom-right causal, context = seq_len - q_len)
 
-Triton kernel and torch reference side by side; :func:`paged_attention` dispatches.
+Triton kernel and torch reference side by side; :func:`paged_attention` dispatches. The
+torch path works from an :class:`AttentionPlan` of the step's metadata: a caller that runs
+many layers over one step (the engine's model runner) builds it once with
+:func:`plan_attention` and passes it to every layer.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +48,7 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     backend: Backend = "auto",
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged K/V; returns
     ``[num_tokens, num_heads, head_dim]`` in ``q.dtype`` (fp32 accumulation).
@@ -57,7 +60,8 @@ def paged_attention(
     for the torch path, host-side Python lists (which saves a ``.tolist()`` per call).
     ``max_seqlen_q`` spares the Triton path a host sync; ``max_seqlen_k`` is accepted for
     API symmetry (the kernel reads each length on the device). ``backend``: "auto"
-    (Triton on CUDA, torch otherwise), "triton" or "torch".
+    (Triton on CUDA, torch otherwise), "triton" or "torch". ``plan``: the torch path's
+    :func:`plan_attention` of exactly this metadata (built here when not given).
     """
     check_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
@@ -76,7 +80,9 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q
         )
-    return paged_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
+    if plan is None:
+        plan = plan_attention(block_table, cu_seqlens_q, seq_lens, k_cache.shape[1], q.dtype)
+    return paged_attention_torch(q, k_cache, v_cache, plan, scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,9 +93,7 @@ def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: IntSeq,
-    seq_lens: IntSeq,
+    plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
     """Torch path of :func:`paged_attention`: SDPA per sequence over its K/V.
@@ -97,9 +101,8 @@ def paged_attention_torch(
     A sequence whose blocks are consecutive in the cache reads them as a zero-copy view;
     otherwise its blocks are gathered with one ``index_select``. Decode sequences that need
     a gather are batched into a single padded, masked SDPA call. Everything that depends
-    only on the metadata lives in a :class:`_Plan`, built once per step (see :func:`_plan`).
+    only on the metadata lives in ``plan`` (see :func:`plan_attention`).
     """
-    plan = _plan(block_table, cu_seqlens_q, seq_lens, k_cache.shape[1], q.dtype)
     out = torch.empty_like(q)
     if plan.decode is not None:
         _decode_gathered(q, k_cache, v_cache, plan.decode, scale, out)
@@ -196,57 +199,30 @@ class _DecodeBatch:
 
 
 @dataclass(slots=True)
-class _Plan:
-    """What one step's metadata implies, identical for every layer of the step."""
+class AttentionPlan:
+    """What one step's metadata implies for the torch path, identical for every layer.
 
-    key: tuple
-    table: torch.Tensor  # a private copy, compared on lookup
+    Building it (run detection, index tensors, causal masks) costs more than a layer's
+    gathers, and a ``[q_len, kv_len]`` mask rebuilt per layer more than the SDPA it serves,
+    so a step builds one plan and hands it to all its layers. It describes the table it was
+    built from: a table edited afterwards needs a new plan.
+    """
+
     # Per sequence not in ``decode``: (q start, q end, prefix, tail, mask of the tail or None).
     seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]]
     decode: _DecodeBatch | None
 
 
-# The engine calls paged_attention once per layer with the same step metadata. One cached
-# plan spares every layer but the first the run detection, index tensors and causal masks
-# (a [q_len, kv_len] mask rebuilt per layer cost more than the gathers it serves). The key
-# is the metadata's *content*, so a caller that edits a table in place never gets a stale
-# plan; one entry per thread bounds the memory to one step's masks, and engines stepping
-# in different threads do not evict each other's plan.
-_last_plan = threading.local()
-
-
-def _plan(
+def plan_attention(
     block_table: torch.Tensor,
     cu_seqlens_q: IntSeq,
     seq_lens: IntSeq,
     block_size: int,
     dtype: torch.dtype,
-) -> _Plan:
+) -> AttentionPlan:
+    """The torch path's plan for one step's metadata (arguments as :func:`paged_attention`'s;
+    ``dtype`` is the query's)."""
     cu, lens = _to_list(cu_seqlens_q), _to_list(seq_lens)
-    key = (
-        tuple(cu),
-        tuple(lens),
-        block_size,
-        dtype,
-        block_table.dtype,
-        block_table.device,
-        block_table.shape,
-    )
-    plan = getattr(_last_plan, "plan", None)
-    if plan is not None and plan.key == key and torch.equal(plan.table, block_table):
-        return plan
-    _last_plan.plan = plan = _build_plan(key, block_table, cu, lens, block_size, dtype)
-    return plan
-
-
-def _build_plan(
-    key: tuple,
-    block_table: torch.Tensor,
-    cu: list[int],
-    lens: list[int],
-    block_size: int,
-    dtype: torch.dtype,
-) -> _Plan:
     device = block_table.device
     n_blocks = [-(-length // block_size) for length in lens]
     first_block, consecutive = _consecutive_runs(block_table, n_blocks)
@@ -273,7 +249,7 @@ def _build_plan(
                 masks[q_len, tail_len] = _additive(visible.tril(tail_len - q_len), dtype)
             mask = masks[q_len, tail_len]
         seqs.append((start, end, prefix, tail, mask))
-    return _Plan(key, block_table.clone(), seqs, decode)
+    return AttentionPlan(seqs, decode)
 
 
 def _split(

@@ -18,11 +18,15 @@ from ragkv.errors import RagkvError
 
 if TYPE_CHECKING:
     from ragkv.assembler import SystemPrompt, Volatile
+    from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
     from ragkv.pipeline import Answer, Pipeline
 
 _LAZY = {
     "Pipeline": "ragkv.pipeline",
     "Answer": "ragkv.pipeline",
+    "Engine": "ragkv.cache_engine",
+    "EngineConfig": "ragkv.cache_engine",
+    "SamplingParams": "ragkv.cache_engine",
     "SystemPrompt": "ragkv.assembler",
     "Volatile": "ragkv.assembler",
 }
@@ -35,4 +39,14 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["Answer", "Pipeline", "RagkvError", "SystemPrompt", "Volatile", "__version__"]
+__all__ = [
+    "Answer",
+    "Engine",
+    "EngineConfig",
+    "Pipeline",
+    "RagkvError",
+    "SamplingParams",
+    "SystemPrompt",
+    "Volatile",
+    "__version__",
+]

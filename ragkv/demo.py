@@ -2,7 +2,7 @@
 
 Runs on the embedded default model (SmolLM2-135M-Instruct; its answers are short and
 often imperfect: they are shown as they come) or any local checkpoint (``--model``).
-Same dtype rule as the bench: bf16 where the CPU/GPU runs it natively, else fp32.
+Same dtype rule as the engine and the bench (``cache_engine.config.resolve_dtype``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+
+from ragkv.cache_engine.config import DEFAULTS
 
 SHOW_CHARS = 60
 
@@ -22,7 +24,7 @@ def add_parser(subparsers: Any) -> None:
         "then replay a small workload through the four benchmark lanes.",
     )
     p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default=DEFAULTS.dtype)
     p.add_argument("--requests", type=int, default=16, help="requests in the lane comparison")
     p.add_argument("--topics", type=int, default=5)
     p.add_argument("--show", type=int, default=3, help="questions shown with chunks and answers")
@@ -75,8 +77,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def answer_examples(workload: Any, config: Any, count: int, max_tokens: int) -> list[dict]:
     """Answer the first ``count`` requests of distinct topics through ``ragkv.Pipeline``."""
-    from ragkv.bench.runner import model_path, resolve_dtype
-    from ragkv.cache_engine import Engine, SamplingParams
+    from ragkv.bench.runner import model_path
+    from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
     from ragkv.pipeline import Pipeline
 
     picked, topics = [], set()
@@ -86,9 +88,11 @@ def answer_examples(workload: Any, config: Any, count: int, max_tokens: int) -> 
             topics.add(request.topic)
     if not picked:
         return []
-    dtype = resolve_dtype(config.dtype, config.device)
     examples = []
-    with Engine.from_pretrained(model_path(config.model), dtype=dtype) as engine:
+    engine_config = EngineConfig(
+        model=model_path(config.model), device=config.device, dtype=config.dtype
+    )
+    with Engine(engine_config) as engine:
         pipeline = Pipeline(engine, default_params=SamplingParams(max_tokens=max_tokens))
         for request in picked:
             answer = pipeline.answer(request.question, request.chunks, system=request.system)

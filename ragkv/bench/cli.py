@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ragkv.bench.lanes import LANES
+from ragkv.cache_engine.config import DEFAULTS
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
@@ -33,12 +34,14 @@ def add_parser(subparsers: Any) -> None:
         "prompt changing in the middle, Zipf passages, sessions) or a trace file",
     )
     p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=DEFAULTS.device)
     p.add_argument(
-        "--dtype", default="auto", help="auto (bf16 where native, else float32), float32, bfloat16"
+        "--dtype",
+        default=DEFAULTS.dtype,
+        help="auto (bf16 on CUDA, float32 on CPU: the engine's rule), float32, bfloat16, float16",
     )
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool (default: half the unique tokens)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
     p.add_argument("--max-tokens", type=int, default=8, help="generated tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight per lane")
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")

@@ -13,6 +13,7 @@ from typing import Any
 from ragkv.bench.lanes import LANES, LaneResult, LaneSpec, lane_specs, run_lane
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.errors import PromptTooLongError
 
 logger = logging.getLogger(__name__)
@@ -23,10 +24,10 @@ class BenchConfig:
     """Engine-side settings shared by every lane (the workload is separate)."""
 
     model: str | None = None  # None: the embedded default model
-    device: str = "auto"
-    dtype: str = "auto"  # "auto": bf16 where the CPU/GPU runs it natively, else fp32
+    device: str = DEFAULTS.device
+    dtype: str = DEFAULTS.dtype  # the engine's rule: see cache_engine.config.resolve_dtype
     kv_cache_tokens: int | None = None  # None: half the workload's unique tokens (see below)
-    block_size: int = 16
+    block_size: int = DEFAULTS.block_size
     max_tokens: int = 8
     concurrency: int = 8
     order: str = "cache-aware"
@@ -44,14 +45,11 @@ def model_path(model: str | None) -> Path:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``auto`` → ``bfloat16`` on CUDA or a CPU with native bf16 (AMX/AVX512-BF16), else fp32."""
-    if dtype != "auto":
-        return dtype
-    import torch
+    """The dtype name an engine of ``dtype`` on ``device`` loads (the engine's one rule)."""
+    from ragkv.cache_engine.config import resolve_device
+    from ragkv.cache_engine.config import resolve_dtype as engine_dtype
 
-    if device != "cpu" and torch.cuda.is_available():
-        return "bfloat16"
-    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    return str(engine_dtype(dtype, resolve_device(device))).removeprefix("torch.")
 
 
 @dataclass(slots=True)
@@ -176,7 +174,7 @@ def run_bench(
     """
     from transformers import AutoTokenizer
 
-    from ragkv.cache_engine import Engine, SamplingParams
+    from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
 
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
@@ -190,17 +188,17 @@ def run_bench(
         kv_tokens = kv_tokens or profile.kv_tokens(config.block_size)
     logger.info("bench: dtype %s, KV pool %d tokens", dtype, kv_tokens)
     model_name = [""]
+    engine_config = EngineConfig(
+        model=path,
+        device=config.device,
+        dtype=dtype,
+        kv_cache_tokens=kv_tokens,
+        block_size=config.block_size,
+        max_num_seqs=max(config.concurrency, 1),
+    )
 
     def make_engine(spec: LaneSpec) -> Any:
-        engine = Engine.from_pretrained(
-            path,
-            device=config.device,
-            dtype=dtype,
-            kv_cache_tokens=kv_tokens,
-            block_size=config.block_size,
-            enable_prefix_caching=spec.prefix_caching,
-            max_num_seqs=max(config.concurrency, 1),
-        )
+        engine = Engine(engine_config.replace(enable_prefix_caching=spec.prefix_caching))
         model_name[0] = engine.model_name
         return engine
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 from support import save_tiny_checkpoint, tiny_config
 
-from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
 from ragkv.errors import (
     CacheCapacityError,
     ConfigError,
@@ -79,6 +79,17 @@ def test_missing_directory_and_missing_config_are_clear_errors(tmp_path):
         Engine.from_pretrained(tmp_path / "nope", device="cpu")
     with pytest.raises(ModelNotFoundError, match="config.json"):
         Engine.from_pretrained(tmp_path, device="cpu")
+
+
+def test_engine_from_a_config_matches_from_pretrained_keywords(llama_dir, engine):
+    config = EngineConfig(model=llama_dir, device="cpu", kv_cache_tokens=2048, hash_algo="blake3")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Engine.from_config(config) as from_config:
+        assert from_config.config == config and from_config.kv_cache_tokens == 2048
+        out = from_config.generate(ids(40, 30), params)
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048, hash="blake3") as e:
+        assert e.config == config
+    assert out.token_ids == engine.generate(ids(40, 30), params).token_ids
 
 
 def test_block_size_must_be_a_multiple_of_8(llama_dir):
@@ -274,11 +285,11 @@ def test_closed_engine_refuses_new_requests(llama_dir):
 
 def test_string_prompt_ids_are_checked_against_the_model_vocabulary(engine, monkeypatch):
     vocab = engine.runner.vocab_size
-    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": [1, vocab]})
+    monkeypatch.setattr(engine.inputs, "tokenizer", lambda text, **kw: {"input_ids": [1, vocab]})
     with pytest.raises(InvalidInputError, match="outside the vocabulary") as info:
         engine.generate("a tokenizer with more ids than the model")
     assert info.value.param == "prompt"
-    monkeypatch.setattr(engine, "tokenizer", lambda text, **kw: {"input_ids": []})
+    monkeypatch.setattr(engine.inputs, "tokenizer", lambda text, **kw: {"input_ids": []})
     with pytest.raises(InvalidInputError, match="no tokens") as info:
         engine.generate("   ")
     assert engine.stats().steps == 0

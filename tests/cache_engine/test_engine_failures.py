@@ -12,7 +12,7 @@ import pytest
 from support import save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
-from ragkv.cache_engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
+from ragkv.cache_engine.engine_core import MAX_CONSECUTIVE_STEP_FAILURES
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, InvalidInputError
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -66,7 +66,7 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
 
     asyncio.run(give_up())  # the loop is closed while the engine may still emit events
     time.sleep(0.2)
-    assert engine._thread is not None and engine._thread.is_alive()
+    assert engine.core._thread is not None and engine.core._thread.is_alive()
     out = engine.generate(ids(3), PARAMS)
     assert out.usage.completion_tokens == 6
 
@@ -144,14 +144,14 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
     make = engine._make_request
 
     def poison_one(prompt, params, *args):
-        request = make(prompt, params, *args)
+        state = make(prompt, params, *args)
         if prompt == ids(10):
 
             def broken(token_id):
                 raise RuntimeError("simulated detokenizer fault")
 
-            request.detokenizer.add = broken
-        return request
+            state.detokenizer.add = broken
+        return state
 
     monkeypatch.setattr(engine, "_make_request", poison_one)
     long = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -219,10 +219,10 @@ def test_a_dead_stepping_thread_fails_its_requests_and_reports_unhealthy(engine,
     def fatal():
         raise _Fatal("simulated interpreter shutdown")
 
-    monkeypatch.setattr(engine, "_step", fatal)
+    monkeypatch.setattr(engine.core, "step", fatal)
     with pytest.raises(EngineUnhealthyError, match="stepping thread died"):
         in_thread(lambda: engine.generate(ids(23), PARAMS)).result(timeout=TIMEOUT_S)
-    engine._thread.join(timeout=TIMEOUT_S)
+    engine.core._thread.join(timeout=TIMEOUT_S)
     health = engine.health()
     assert not health.ok and not health.thread_alive and "died" in health.reason
     with pytest.raises(EngineUnhealthyError):

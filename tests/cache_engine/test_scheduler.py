@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ragkv.cache_engine import KVCacheManager, SamplingParams
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.cache_engine.scheduler import Scheduler
+from ragkv.errors import CacheCapacityError, PromptTooLongError
 
 
 class PoisonedManager(KVCacheManager):
@@ -23,7 +25,7 @@ class PoisonedManager(KVCacheManager):
 @pytest.mark.parametrize("policy", ["fcfs", "longest-prefix"])
 def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_scheduled(policy):
     kv = PoisonedManager(num_blocks=32, block_size=4)
-    scheduler = Scheduler(kv, policy=policy)
+    scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy))
     requests = [
         Request(rid, list(range(i, i + 10)), SamplingParams(max_tokens=2))
         for i, rid in enumerate(["a", "bad", "c"])
@@ -67,3 +69,130 @@ def test_a_running_request_failing_in_its_own_allocation_is_reported_alone():
     assert [r.request_id for r, _ in second.failed] == ["bad"]
     assert [c.request.request_id for c in second.chunks] == ["a", "c"]
     assert scheduler.running == [requests[0], requests[2]]
+
+
+# -- the scheduling algorithm, no model: a step is schedule() then update() --------------
+
+
+def make(rid: str, n: int, *, first: int = 100, max_tokens: int = 4, **kwargs) -> Request:
+    """A request of ``n`` prompt tokens counting up from ``first``."""
+    return Request(
+        rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), **kwargs
+    )
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    """Schedule, pretend the model ran, sample ``token`` for every slice that samples."""
+    out = scheduler.schedule()
+    scheduler.update(out, [token] * sum(c.samples for c in out.chunks))
+    return out
+
+
+def slices(out) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_the_token_budget_chunks_the_prefill_that_does_not_fit():
+    scheduler = Scheduler(KVCacheManager(64, 4), DEFAULTS.replace(max_num_batched_tokens=16))
+    for i, rid in enumerate("abc"):
+        scheduler.add(make(rid, 10, first=100 * (i + 1)))
+    out = scheduler.schedule()
+    assert slices(out) == [("a", 0, 10), ("b", 0, 6)]  # c waits: the budget is spent
+    assert [c.samples for c in out.chunks] == [True, False]
+    scheduler.update(out, [7])
+    out = run_step(scheduler)
+    # Running requests first (a decodes, b finishes its prefill), then c with what is left.
+    assert slices(out) == [("a", 10, 1), ("b", 6, 4), ("c", 0, 10)]
+
+
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_then_decodes():
+    scheduler = Scheduler(KVCacheManager(64, 4), DEFAULTS.replace(max_num_batched_tokens=16))
+    request = make("long", 40, max_tokens=2)
+    scheduler.add(request)
+    steps = [slices(run_step(scheduler)) for _ in range(4)]
+    assert steps == [
+        [("long", 0, 16)],
+        [("long", 16, 16)],
+        [("long", 32, 8)],  # reaches the end of the prompt: samples the first token
+        [("long", 40, 1)],  # decodes the second and last
+    ]
+    assert request.output_token_ids == [7, 7] and request.finish_reason == "length"
+    assert not scheduler.has_unfinished()
+
+
+def test_a_full_pool_preempts_the_youngest_running_request_which_is_recomputed():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    scheduler = Scheduler(kv)
+    old, young = (
+        make("old", 8, first=100, max_tokens=12),
+        make("young", 8, first=200, max_tokens=12),
+    )
+    scheduler.add(old)
+    scheduler.add(young)
+    run_step(scheduler)  # both prefilled: 2 blocks each, 2 left
+    for _ in range(20):
+        preempted = run_step(scheduler).preempted
+        if preempted:
+            break
+    assert preempted == [young] and young.num_preemptions == 1 and old.num_preemptions == 0
+    assert scheduler.running == [old] and scheduler.waiting[0] is young
+    assert young.num_computed_tokens == 0  # recomputed, not swapped
+    generated = young.output_token_ids
+    for _ in range(40):  # old runs to its end, then young is admitted again
+        out = scheduler.schedule()
+        again = [c for c in out.chunks if c.request is young]
+        if again:
+            break
+        scheduler.update(out, [7] * sum(c.samples for c in out.chunks))
+    # Recomputed from its longest cached prefix up to the end, keeping what it generated.
+    [chunk] = again
+    assert chunk.start % kv.block_size == 0 and chunk.end == young.num_tokens and chunk.samples
+    assert young.output_token_ids == generated and old.finished
+
+
+def test_longest_prefix_admits_the_request_with_the_longest_cached_prefix_first():
+    shared = list(range(300, 316))  # four full blocks of 4
+
+    def admitted_first(policy: str) -> str:
+        kv = KVCacheManager(num_blocks=64, block_size=4)
+        scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy, max_num_seqs=1))
+        warm = Request("warm", shared + [1], SamplingParams(max_tokens=1))
+        scheduler.add(warm)
+        run_step(scheduler)  # finishes at once; its blocks stay cached
+        scheduler.add(make("cold", 17, first=500))  # arrived first, nothing cached
+        scheduler.add(Request("hot", shared + [2], SamplingParams(max_tokens=4)))
+        out = scheduler.schedule()
+        return out.chunks[0].request.request_id
+
+    assert admitted_first("fcfs") == "cold"
+    assert admitted_first("longest-prefix") == "hot"
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_up_front():
+    scheduler = Scheduler(KVCacheManager(num_blocks=4, block_size=4))
+    with pytest.raises(PromptTooLongError, match="whole pool"):
+        scheduler.add(make("huge", 17))  # 5 blocks of prompt alone
+    with pytest.raises(CacheCapacityError) as info:
+        scheduler.add(make("greedy", 8, max_tokens=20))  # 7 blocks at its longest
+    assert info.value.param == "max_tokens"
+    assert not scheduler.has_unfinished()
+
+
+def test_update_finishes_on_a_stop_token_then_on_max_tokens_then_on_the_context():
+    scheduler = Scheduler(KVCacheManager(64, 4), max_model_len=12)
+    stops = make("stops", 4, max_tokens=8, stop_token_ids=frozenset({9}))
+    short = make("short", 4, first=200, max_tokens=1)
+    context = make("context", 10, first=300, max_tokens=8)
+    for request in (stops, short, context):
+        scheduler.add(request)
+    out = scheduler.schedule()
+    assert scheduler.update(out, [9, 9, 5]) == [stops, short, context]
+    assert (stops.finish_reason, short.finish_reason) == ("stop", "length")
+    assert not context.finished
+    run_step(scheduler, token=5)
+    assert context.finish_reason == "length" and context.num_tokens == 12
+    assert kv_free(scheduler) == 64
+
+
+def kv_free(scheduler: Scheduler) -> int:
+    return scheduler.kv.num_free_blocks

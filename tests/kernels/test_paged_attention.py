@@ -7,20 +7,16 @@ poisons the output.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import threading
 
 import pytest
 import torch
 
-from ragkv.kernels import paged_attention, store_kv
+from ragkv.kernels import paged_attention, plan_attention, store_kv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", "triton"]
-# The module (ragkv.kernels re-exports its function under the same name).
-pa = importlib.import_module("ragkv.kernels.paged_attention")
 
 
 def make_batch(specs, *, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
@@ -75,7 +71,11 @@ def reference(q, kv, cu, scale):
 def check(specs, backend, atol=1e-5, **kw):
     q, k_cache, v_cache, table, cu, lens, kv = make_batch(specs, **kw)
     scale = q.shape[-1] ** -0.5
-    out = paged_attention(q, k_cache, v_cache, table, cu, lens, scale, backend=backend)
+    # The torch path gets its plan from the caller, as the engine's model runner does.
+    plan = (
+        plan_attention(table, cu, lens, k_cache.shape[1], q.dtype) if backend == "torch" else None
+    )
+    out = paged_attention(q, k_cache, v_cache, table, cu, lens, scale, backend=backend, plan=plan)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference(q, kv, cu, scale), atol=atol, rtol=atol)
 
@@ -144,27 +144,19 @@ def test_runs_of_a_cached_prefix_in_bf16_match_reference():
     check([(37, 9), (29, 2), (9, 1)], "torch", run=2, dtype=torch.bfloat16, atol=2e-2)
 
 
-def test_same_step_metadata_reuses_one_plan_across_layers():
-    q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1)])
-    cu_list, lens_list = cu.tolist(), lens.tolist()
-    out = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
-    plan = pa._last_plan.plan
-    again = paged_attention(q, k_cache, v_cache, table, cu_list, lens_list, 0.25, backend="torch")
-    assert pa._last_plan.plan is plan
-    torch.testing.assert_close(again, out, atol=0, rtol=0)
-    # Another thread (another engine's stepping thread) keeps its own plan.
-    other = make_batch([(9, 9)])
-    worker = threading.Thread(
-        target=paged_attention,
-        args=(*other[:4], other[4].tolist(), other[5].tolist(), 0.25),
-        kwargs={"backend": "torch"},
-    )
-    worker.start()
-    worker.join()
-    assert pa._last_plan.plan is plan
+def test_one_plan_serves_every_layer_of_a_step():
+    q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1), (9, 1)])
+    plan = plan_attention(table, cu.tolist(), lens.tolist(), k_cache.shape[1], q.dtype)
+    expected = reference(q, kv, cu, 0.25)
+    for layer in range(3):  # other caches of the same layout, as each layer has its own
+        k_layer, v_layer = k_cache * (layer + 1), v_cache
+        out = paged_attention(q, k_layer, v_layer, table, cu, lens, 0.25, plan=plan)
+        scaled = [(k * (layer + 1), v) for k, v in kv]
+        want = expected if layer == 0 else reference(q, scaled, cu, 0.25)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_table_edited_in_place_is_never_served_a_stale_plan():
+def test_a_table_edited_in_place_gets_a_new_plan_from_its_caller():
     q, k_cache, v_cache, table, cu, lens, kv = make_batch([(19, 6), (10, 1), (12, 1)])
     paged_attention(q, k_cache, v_cache, table, cu.tolist(), lens.tolist(), 0.25)
     # Move sequence 0's first block elsewhere: same metadata lists, same table object.
@@ -173,7 +165,8 @@ def test_table_edited_in_place_is_never_served_a_stale_plan():
     k_cache[new], v_cache[new] = k_cache[old], v_cache[old]
     k_cache[old], v_cache[old] = float("nan"), float("nan")
     table[0, 0] = new
-    out = paged_attention(q, k_cache, v_cache, table, cu.tolist(), lens.tolist(), 0.25)
+    plan = plan_attention(table, cu, lens, k_cache.shape[1], q.dtype)
+    out = paged_attention(q, k_cache, v_cache, table, cu.tolist(), lens.tolist(), 0.25, plan=plan)
     torch.testing.assert_close(out.double(), reference(q, kv, cu, 0.25), atol=1e-5, rtol=1e-5)
 
 

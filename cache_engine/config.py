@@ -1,0 +1,173 @@
+"""One engine configuration: every setting, its default and its check, in one place.
+
+``EngineConfig`` is validated once, when it is built, so a bad setting fails before a
+model is loaded. Everything that sizes or loads an engine reads its defaults from
+:data:`DEFAULTS` (the CLI's ``ragkv bench`` and ``ragkv demo`` included), and the one
+dtype rule, :func:`resolve_dtype`, is shared by the engine and the bench, so every entry
+point loads a model the same way. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ragkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+SchedulePolicy = Literal["fcfs", "longest-prefix"]
+SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "longest-prefix")
+HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "blake3")
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+CUDA_KV_SHARE = 0.4  # of the free device memory, when no pool size is given
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that decides how an :class:`~ragkv.cache_engine.Engine` is built.
+
+    ``model``: a local Hugging Face checkpoint directory (None: the embedded default).
+    ``dtype``: "auto" (see :func:`resolve_dtype`), "float32", "bfloat16" or "float16".
+    The KV pool is allocated once: ``kv_cache_tokens`` tokens, or ``kv_cache_bytes`` bytes
+    (neither: 1 GiB on CPU, 40 % of free memory on CUDA). ``max_model_len`` caps the
+    context below the model's own (None: the model's). ``max_num_seqs`` requests run at
+    once, ``max_num_batched_tokens`` tokens per step. ``hash_algo`` names the block hash.
+    ``schedule_policy``: "fcfs", or "longest-prefix" (admit the waiting request with the
+    longest cached prefix first). ``backend``: the kernels' backend ("auto": Triton on CUDA).
+    """
+
+    model: str | Path | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    hash_algo: str = "xxh3_128"
+    enable_prefix_caching: bool = True
+    schedule_policy: SchedulePolicy = "fcfs"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.dtype = _dtype_name(self.dtype)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`~ragkv.errors.ConfigError` (with ``param``) for an impossible setting."""
+        _check(
+            self.block_size >= 8 and self.block_size % 8 == 0,
+            "block_size",
+            f"block_size must be a positive multiple of 8, got {self.block_size}",
+        )
+        if self.kv_cache_tokens is not None:
+            _check(
+                self.kv_cache_tokens >= self.block_size,
+                "kv_cache_tokens",
+                f"kv_cache_tokens must be at least block_size ({self.block_size})",
+            )
+        if self.kv_cache_bytes is not None:
+            _check(self.kv_cache_bytes > 0, "kv_cache_bytes", "kv_cache_bytes must be positive")
+        if self.max_model_len is not None:
+            _check(
+                self.max_model_len >= 2,
+                "max_model_len",
+                f"max_model_len must be at least 2, got {self.max_model_len}",
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _check(getattr(self, name) >= 1, name, f"{name} must be positive")
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "hash_algo", HASH_ALGOS)
+        _one_of(self, "schedule_policy", SCHEDULE_POLICIES)
+        _one_of(self, "backend", BACKENDS)
+        device = self.device.split(":")[0]
+        _check(
+            device in ("auto", "cpu", "cuda"),
+            "device",
+            f"unknown device {self.device!r}; use 'auto', 'cpu' or 'cuda[:N]'",
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with some settings changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto" → CUDA when available, else CPU; an explicit CUDA device must exist."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "device='cuda' requested but CUDA is not available; use device='cpu'", param="device"
+        )
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The one dtype rule: "auto" is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU.
+
+    CPU stays fp32 even where it runs bf16 natively (AMX): the engine's default output is
+    exact against a plain Hugging Face forward (Invariant 1), and bf16 GEMMs round
+    differently for different batch shapes. Ask for "bfloat16" to trade that for speed.
+    """
+    import torch
+
+    name = _dtype_name(dtype)
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return getattr(torch, name)
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    """Pool size when none is given: 1 GiB on CPU, a share of the free memory on CUDA."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_SHARE)
+    return DEFAULT_CPU_KV_BYTES
+
+
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Normalize None, a torch.dtype or a name ("torch.float16", "half") to a name in DTYPES."""
+    if dtype is None:
+        return "auto"
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def _one_of(config: EngineConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    _check(
+        value in allowed, name, f"unknown {name} {value!r}; use {' or '.join(map(repr, allowed))}"
+    )
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(message, param=param)
+
+
+# The defaults every entry point reads (CLI flags, the bench, the scheduler's own).
+DEFAULTS = EngineConfig()

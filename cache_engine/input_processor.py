@@ -1,0 +1,141 @@
+"""Requests in, in the caller's thread: every input validated and converted before queueing.
+
+Everything the stepping thread will use is checked or converted here (the prompt's token
+ids, the sampling parameters, the salt's digest, the seeded generator, the stop matcher),
+so a bad value fails its caller and never a shared step (Invariant 9).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
+from ragkv.cache_engine.request import Request
+from ragkv.cache_engine.sampler import make_generator
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.scheduler import Scheduler
+from ragkv.errors import InvalidInputError, PromptTooLongError
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class InputProcessor:
+    """Turns a caller's prompt and parameters into a :class:`RequestState` ready to queue."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    model_name: str
+    scheduler: Scheduler
+    outputs: OutputProcessor
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    def next_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def process(
+        self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, keep_logits: bool
+    ) -> RequestState:
+        """Validate and convert one request; raise (with ``param``) on the first bad input."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(
+                f"params must be SamplingParams, got {type(params).__name__}", param="params"
+            )
+        params.validate(vocab_size=self.vocab_size)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
+        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
+        token_ids = self.prompt_ids(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
+                "and at least one token must be generated. Shorten the prompt (e.g. "
+                "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
+                param="prompt",
+            )
+        eos = frozenset() if params.ignore_eos else self.outputs.eos_token_ids
+        request = Request(
+            self.next_id(),
+            token_ids,
+            params,
+            salt_digest=salt_digest,
+            keep_logits=keep_logits,
+            stop_token_ids=eos | frozenset(params.stop_token_ids),
+            generator=make_generator(params),
+        )
+        self.scheduler.check_fits(request)
+        return self.outputs.new_state(request)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt is empty", param="prompt")
+            if not prompt.isascii():
+                _check_utf8(prompt, "prompt")
+            # Checked below like caller ids: a tokenizer may know more ids than the model has
+            # embeddings for, or none for this text; either would fail a shared step.
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not prompt:
+                raise InvalidInputError("prompt has no tokens once tokenized", param="prompt")
+        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise InvalidInputError(
+                f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
+                param="prompt",
+            )
+        ids = list(prompt)
+        if not ids:
+            raise InvalidInputError("prompt is empty: pass at least one token id", param="prompt")
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidInputError(
+                    f"token id {t!r} is outside the vocabulary [0, {vocab}) of {self.model_name}",
+                    param="prompt",
+                )
+        return ids
+
+
+def _check_utf8(text: str, param: str) -> None:
+    """Refuse text that has no UTF-8 form (lone surrogates, e.g. from a bad JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{param} is not valid Unicode: {exc.reason} at index {exc.start} "
+            f"({text[exc.start : exc.end]!r}); send UTF-8 text without lone surrogates",
+            param=param,
+        ) from None
+
+
+def pair_prompts(
+    prompts: Prompt | Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[bool, list[Prompt], list[SamplingParams]]:
+    """``generate``'s arguments as (one prompt given?, prompts, one SamplingParams each)."""
+    single = _is_single_prompt(prompts)
+    batch = [prompts] if single else list(prompts)
+    if not batch:
+        raise InvalidInputError("generate() needs at least one prompt", param="prompt")
+    if params is None or isinstance(params, SamplingParams):
+        return single, batch, [params or SamplingParams()] * len(batch)
+    params_list = list(params)
+    if len(params_list) != len(batch):
+        raise InvalidInputError(
+            f"got {len(params_list)} SamplingParams for {len(batch)} prompts; pass one "
+            "SamplingParams for all or one per prompt",
+            param="params",
+        )
+    return single, batch, params_list
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):
+        return True
+    return isinstance(prompts, Sequence) and not prompts
