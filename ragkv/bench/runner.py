@@ -209,7 +209,8 @@ def run_bench(
         load_s = time.perf_counter() - t0
         try:
             mean = profile.sent_tokens // max(profile.requests, 1)
-            per_token, per_step = calibrate(probe, tokens=max(16, min(mean, 2048)))
+            room = probe.max_model_len - 8  # the calibration prompt must fit the context
+            per_token, per_step = calibrate(probe, tokens=max(16, min(mean, 2048, room)))
         finally:
             probe.close()
         names = [spec.name for spec in lanes]
