@@ -15,7 +15,7 @@ from ragkv.cache_engine.config import DEFAULTS
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
-DEFAULT_REQUESTS, DEFAULT_TOPICS = 48, 12
+DEFAULT_REQUESTS, DEFAULT_TOPICS = 40, 10
 FULL_REQUESTS, FULL_TOPICS = 200, 50
 
 

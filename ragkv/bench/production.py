@@ -62,8 +62,8 @@ _QUESTIONS = (
 class ProductionConfig:
     """Knobs of :func:`production_workload`; the defaults are the benchmark's default size."""
 
-    requests: int = 48
-    passages: int = 96
+    requests: int = 40
+    passages: int = 80
     zipf_s: float = 1.0
     top_k: int = 4
     duplicate_rate: float = 0.05
