@@ -100,3 +100,13 @@ def save_tiny_checkpoint(
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+def common_prefix(a, b) -> int:
+    """How many leading items two sequences share (shared prompt prefixes in tests)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

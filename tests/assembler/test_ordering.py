@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
+from support import common_prefix
 
 from ragkv.assembler import Assembler, SegmentKind, Stability
 from ragkv.errors import ConfigError
@@ -15,15 +14,6 @@ HOT = [
     "Dictionaries map hashable keys to arbitrary values and keep insertion order.",
 ]
 SYSTEM = "You answer questions about Python using only the context."
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def rare(i: int) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from support import common_prefix
+
 from ragkv.assembler import Assembler, SegmentKind, Stability
 
 CHUNKS = [
@@ -27,15 +29,6 @@ def _tail_changes(i: int) -> str:
 
 def _middle_changes(i: int) -> str:
     return f"{INTRO}\nToday is 2024-05-{i + 1:02d}; the user is user{i * 37}.\n{RULES}"
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _run(asm: Assembler, systems, **kwargs):
@@ -67,7 +60,7 @@ def test_a_slot_whose_tail_changes_keeps_its_head_in_front(local_tokenizer, capl
     assert INTRO in head_text and RULES in head_text  # the stable head stays in front
     assert moved_text.endswith(":07:49Z.")  # what changes between requests moved
     # Consecutive prompts now share the stable head and every chunk.
-    assert _shared(plans[-2].token_ids, last.token_ids) >= chunk_end
+    assert common_prefix(plans[-2].token_ids, last.token_ids) >= chunk_end
     assert last.stats.moved_tokens == sum(s.end - s.start for s in moved)
 
 
@@ -88,7 +81,7 @@ def test_a_slot_that_changes_in_the_middle_keeps_its_stable_runs(local_tokenizer
     chunk_end = max(s.end for s in last.spans(SegmentKind.CHUNK))
     assert all(s.end <= chunk_start for s in systems if not s.demoted)
     assert all(s.start >= chunk_end for s in systems if s.demoted)
-    assert _shared(plans[-2].token_ids, last.token_ids) >= chunk_end
+    assert common_prefix(plans[-2].token_ids, last.token_ids) >= chunk_end
     # Nothing was lost or invented: the system tokens are the version's tokens, rearranged.
     ids = local_tokenizer(_middle_changes(7), add_special_tokens=False)["input_ids"]
     parts = [last.token_ids[s.start : s.end] for s in systems]
