@@ -6,6 +6,7 @@ fixed seed, and the tokenizer is a byte-level BPE trained on CPython's own docs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -110,3 +111,22 @@ def common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class CacheReq:
+    """The request surface the KV cache manager reads, without an engine."""
+
+    request_id: int
+    token_ids: list[int]
+    cache_salt: str | None = None
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def salt_digest(self) -> bytes | None:
+        from ragkv.cache_engine.block_hash import digest_salt
+
+        return None if self.cache_salt is None else digest_salt(self.cache_salt)

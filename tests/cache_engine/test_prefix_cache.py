@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
+from support import CacheReq as Req
 
 from ragkv.cache_engine import KVCacheManager
-from ragkv.cache_engine.block_hash import digest_salt
-
-
-@dataclass
-class Req:
-    request_id: int
-    token_ids: list[int]
-    cache_salt: str | None = None
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
-
-    @property
-    def salt_digest(self) -> bytes | None:
-        return None if self.cache_salt is None else digest_salt(self.cache_salt)
 
 
 def admit(manager: KVCacheManager, req: Req) -> tuple[list[int], int]:
