@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.errors import RequestAbortedError
 
 _ENGINES: dict[tuple[Any, ...], Engine] = {}
@@ -32,7 +33,7 @@ def shared_engine(
         return engine
 
 
-def engine_for(adapter: Any) -> Engine:
+def engine_for(adapter: Any) -> EngineLike:
     """The engine of a framework adapter: its ``engine`` field, else the shared engine of its
     ``model``/``device``/``dtype`` fields (loaded on first use)."""
     if adapter.engine is not None:
@@ -75,7 +76,7 @@ def sampling_params(
 
 
 def stream_until(
-    engine: Engine,
+    engine: EngineLike,
     prompt: list[int],
     params: SamplingParams,
     *,
@@ -95,7 +96,7 @@ def stream_until(
 
 
 async def astream_until(
-    engine: Engine,
+    engine: EngineLike,
     prompt: list[int],
     params: SamplingParams,
     *,

@@ -114,7 +114,9 @@ class RemoteEngine:
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
 
-    # -- the Engine surface -----------------------------------------------------------------
+    # -- the Engine surface (EngineLike) ------------------------------------------------------
+    knows_residency = False
+
     @property
     def model_name(self) -> str:
         """The model id sent with every request (asked from ``/v1/models`` once if not given)."""
@@ -201,6 +203,11 @@ class RemoteEngine:
         finally:
             await response.aclose()
         yield state.finish()
+
+    def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Always 0: an OpenAI-compatible server does not say what it holds before a request
+        (``knows_residency`` is False, so the assembler uses its own record instead)."""
+        return 0
 
     def close(self) -> None:
         """Close the sync client (the async one is closed by :meth:`aclose`)."""

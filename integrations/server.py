@@ -45,6 +45,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised through server_cli
     raise MissingDependencyError("fastapi", "server") from exc
 
+from ragkv.cache_engine import Engine
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import (
     CacheCapacityError,
@@ -117,21 +119,24 @@ def create_app(
     if max_body_bytes < 1 or request_timeout_s <= 0:
         raise InvalidInputError("max_body_bytes and request_timeout_s must be positive")
     limits = limits or RequestLimits()
-    context = getattr(engine, "max_model_len", None)
-    if limits.max_prompt_tokens is None and context is not None:
-        limits = dataclasses.replace(limits, max_prompt_tokens=context - 1)
+    # What only an in-process engine can tell (context, vocabulary, health, stats); a
+    # pipeline over a RemoteEngine is served without it.
+    local = engine if isinstance(engine, Engine) else None
+    if limits.max_prompt_tokens is None and local is not None:
+        limits = dataclasses.replace(limits, max_prompt_tokens=local.max_model_len - 1)
     served = _Served(
         engine=engine,
+        local=local,
         pipeline=pipeline,
-        model_name=model_name or getattr(engine, "model_name", None) or "ragkv",
+        model_name=model_name or engine.model_name or "ragkv",
         limits=limits,
         max_body_bytes=max_body_bytes,
         request_timeout_s=request_timeout_s,
-        metrics=ServerMetrics(engine),
+        metrics=ServerMetrics(local),
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served
-    _add_routes(app, served, getattr(getattr(engine, "runner", None), "vocab_size", None))
+    _add_routes(app, served, None if local is None else local.runner.vocab_size)
     _add_error_handlers(app)
     app.add_middleware(
         _Gate,
@@ -147,7 +152,8 @@ def create_app(
 class _Served:
     """What the routes share: the engine, the pipeline and the limits."""
 
-    engine: Any
+    engine: EngineLike
+    local: Engine | None  # the same engine when it runs in this process
     pipeline: Any
     model_name: str
     limits: RequestLimits
@@ -194,16 +200,15 @@ def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
         served.limits,
         model_name=served.model_name,
         vocab_size=vocab_size,
-        max_model_len=getattr(served.engine, "max_model_len", None),
+        max_model_len=None if served.local is None else served.local.max_model_len,
     )
 
     @app.get("/health")
     async def health() -> Response:
         # 503 lets a supervisor restart a server whose engine died or keeps failing.
-        probe = getattr(served.engine, "health", None)
-        if probe is None:  # an engine without a health report (e.g. a remote one)
+        if served.local is None:  # a remote engine reports no health here
             return Response(status_code=200)
-        report = probe()
+        report = served.local.health()
         if not report.ok:
             return JSONResponse({"status": "unhealthy", "reason": report.reason}, 503)
         fields = {f: getattr(report, f) for f in report.__dataclass_fields__}
@@ -212,9 +217,8 @@ def _add_routes(app: FastAPI, served: _Served, vocab_size: int | None) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "ragkv"}
-        limit = getattr(served.engine, "max_model_len", None)
-        if limit is not None:
-            card["max_model_len"] = limit
+        if served.local is not None:
+            card["max_model_len"] = served.local.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -394,11 +398,12 @@ async def _generate(
     chat: bool,
     extra: dict | None,
 ) -> Response:
-    engine = served.engine
+    engine, local = served.engine, served.local
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat default: up to the context (as vLLM does) or the KV pool
-        limit = getattr(engine, "max_model_len", len(token_ids) + 16)
-        limit = min(limit, getattr(engine, "kv_cache_tokens", limit))
+        limit = len(token_ids) + 16
+        if local is not None:
+            limit = min(local.max_model_len, local.kv_cache_tokens)
         max_tokens = max(1, limit - len(token_ids))
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s
