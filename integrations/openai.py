@@ -26,12 +26,11 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from ragkv.cache_engine.outputs import Output, StreamDelta, Timings
+from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import InvalidInputError, RemoteEngineError
 
@@ -39,30 +38,6 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-
-
-@dataclass(slots=True)
-class RemoteUsage:
-    """Usage as the server reported it. ``cached_tokens`` is ``None`` when the server did not
-    say (OpenAI-compatible servers may omit ``prompt_tokens_details``): unknown, not 0."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_openai(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }
-        if self.cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return usage
 
 
 class RemoteEngine:
@@ -472,7 +447,7 @@ def _output(
         token_ids=token_ids,
         text=_choice_text(choice),
         finish_reason=choice.get("finish_reason") or "stop",
-        usage=RemoteUsage(
+        usage=Usage(
             prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
             completion_tokens=usage.get("completion_tokens", len(token_ids)),
             cached_tokens=details.get("cached_tokens"),
@@ -537,4 +512,4 @@ def _load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-__all__ = ["RemoteEngine", "RemoteUsage"]
+__all__ = ["RemoteEngine"]
