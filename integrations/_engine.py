@@ -64,14 +64,18 @@ def sampling_params(
     stop: Sequence[str] | None = None,
     default_max_tokens: int = 256,
 ) -> SamplingParams:
-    """Engine sampling parameters from framework-style optional fields (None: engine default)."""
-    return SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=0.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None else top_k,
-        seed=seed,
-        stop=list(stop or []),
+    """Engine sampling parameters from framework-style optional fields (None: default; the
+    temperature default is greedy), through the one OpenAI mapping."""
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": None if stop is None else list(stop),
+    }
+    return SamplingParams.from_openai(
+        body, default_max_tokens=default_max_tokens, default_temperature=0.0
     )
 
 

@@ -225,23 +225,11 @@ class RemoteEngine:
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
+            **params.to_openai(),
         }
-        # vLLM-style extensions only when set: a plain OpenAI server refuses unknown fields.
-        extensions = {
-            "top_k": params.top_k if params.top_k > 0 else None,
-            "min_p": params.min_p or None,
-            "seed": params.seed,
-            "stop": params.stop or None,
-            "stop_token_ids": params.stop_token_ids or None,
-            "ignore_eos": params.ignore_eos or None,
-            "include_stop_str_in_output": params.include_stop_str_in_output or None,
-            "skip_special_tokens": None if params.skip_special_tokens else False,
-            "cache_salt": cache_salt if cache_salt is not None else self.cache_salt,
-        }
-        body.update({k: v for k, v in extensions.items() if v is not None})
+        salt = cache_salt if cache_salt is not None else self.cache_salt
+        if salt is not None:  # a vLLM-style extension, sent only when set
+            body["cache_salt"] = salt
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}

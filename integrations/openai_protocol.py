@@ -13,12 +13,21 @@ vLLM extensions understood: ``cache_salt``, ``top_k``, ``min_p``, ``stop_token_i
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.outputs import Output
+from ragkv.cache_engine.sampling_params import (
+    OPENAI_SEED_MAX,
+    OPENAI_SEED_MIN,
+    json_field,
+    json_ints,
+    openai_fields,
+)
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.integrations.server_cli import (
@@ -28,13 +37,7 @@ from ragkv.integrations.server_cli import (
     DEFAULT_MAX_STOP_STRINGS,
 )
 
-# OpenAI's default; a client that wants ragkv's reproducible greedy decoding sends 0.
-DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# ``seed`` is a signed 64-bit integer, as in OpenAI's and vLLM's schemas; torch's generator
-# overflows past it, so a larger one is a 400 here rather than a failure inside the engine.
-# A negative seed is taken as its two's complement (the engine's seeds are unsigned).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -294,21 +297,11 @@ def _common(
     if body.get("logit_bias"):
         raise _unsupported("logit_bias")
     stream_options = _get(body, "stream_options", dict, None) or {}
-    sampling = {
-        "temperature": _get(body, "temperature", float, DEFAULT_TEMPERATURE),
-        "top_p": _get(body, "top_p", float, 1.0),
-        "top_k": _get(body, "top_k", int, 0),
-        "min_p": _get(body, "min_p", float, 0.0),
-        "seed": _seed(body),
-        "stop": _stop(body.get("stop"), limits),
-        "stop_token_ids": _int_list(body, "stop_token_ids"),
-        "ignore_eos": _get(body, "ignore_eos", bool, False),
-        "include_stop_str_in_output": _get(body, "include_stop_str_in_output", bool, False),
-        "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
-    }
+    with _as_api_error():
+        sampling = openai_fields(body, max_stop_strings=limits.max_stop_strings)
     return GenerationRequest(
         model=_get(body, "model", str, None),
-        sampling={k: v for k, v in sampling.items() if v is not None},
+        sampling=sampling,
         max_tokens=_get(body, "max_tokens", int, max_tokens_default),
         stream=_get(body, "stream", bool, False),
         include_usage=_get(stream_options, "include_usage", bool, False, "stream_options."),
@@ -325,7 +318,7 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         return prompt
-    tokens = _ints(prompt)
+    tokens = json_ints(prompt)
     if tokens:
         return tokens
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -430,87 +423,19 @@ def _chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:
     return size
 
 
-def _seed(body: dict[str, Any]) -> int | None:
-    seed = _get(body, "seed", int, None)
-    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-        raise APIError(400, f"seed must be a signed 64-bit integer, got {seed}", param="seed")
-    return None if seed is None else seed % 2**64
-
-
-def _stop(stop: Any, limits: RequestLimits) -> list[str] | None:
-    if stop is None or isinstance(stop, str):
-        return None if stop is None else [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > limits.max_stop_strings:
-            raise APIError(
-                400,
-                f"stop has {len(stop)} strings; this server accepts at most "
-                f"{limits.max_stop_strings}",
-                param="stop",
-            )
-        return stop
-    raise APIError(400, "stop must be a string or a list of strings", param="stop")
-
-
-def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    ints = _ints(value)
-    if ints is None:
-        raise APIError(400, f"{name} must be a list of integers", param=name)
-    return ints
-
-
-_TYPE_NAMES = {
-    bool: "a boolean",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    dict: "an object",
-}
-
-
 def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
     """``body[name]`` if present and of ``kind`` (JSON null means default), else a 400."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is int:
-        value = _integral(value)
-        ok = value is not None
-    elif kind is float:
-        ok = _is_int(value) or isinstance(value, float)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        param = prefix + name
-        raise APIError(
-            400,
-            f"{param} must be {_TYPE_NAMES[kind]}, got {type(body[name]).__name__}",
-            param=param,
-        )
-    return value
+    with _as_api_error():
+        return json_field(body, name, kind, default, prefix)
 
 
-def _integral(value: Any) -> int | None:
-    """``value`` as an int if it is one in JSON Schema's sense (``2`` or ``2.0``), else None."""
-    if _is_int(value):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _ints(value: Any) -> list[int] | None:
-    if not isinstance(value, list):
-        return None
-    ints = [_integral(v) for v in value]
-    return None if any(i is None for i in ints) else ints
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@contextlib.contextmanager
+def _as_api_error() -> Iterator[None]:
+    """The 400 (with the field as ``param``) for a value the sampling mapping refuses."""
+    try:
+        yield
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -575,7 +500,11 @@ def request_schemas(
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1},
         "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-        "seed": {"type": ["integer", "null"], "minimum": SEED_MIN, "maximum": SEED_MAX},
+        "seed": {
+            "type": ["integer", "null"],
+            "minimum": OPENAI_SEED_MIN,
+            "maximum": OPENAI_SEED_MAX,
+        },
         "stop": {
             "anyOf": [
                 {"type": "null"},
