@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from ragkv.assembler.template import render_chat
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.errors import RequestAbortedError
@@ -42,15 +43,9 @@ def engine_for(adapter: Any) -> EngineLike:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template (plus the
-    generation prompt); ``Role: text`` lines when the tokenizer has no template."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-    else:
-        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        text = "\n\n".join([*lines, "Assistant:"])
+    """Token ids of ``messages`` rendered by ragkv's one chat renderer
+    (:func:`ragkv.assembler.template.render_chat`)."""
+    text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -45,6 +45,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised through server_cli
     raise MissingDependencyError("fastapi", "server") from exc
 
+from ragkv.assembler.template import render_chat
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -350,14 +351,12 @@ def _chat_prompt(served: _Served, parsed: GenerationRequest) -> tuple[list[int],
     """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``."""
     if parsed.rag is None:
         try:
-            ids = served.engine.tokenizer.apply_chat_template(
-                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            text = render_chat(served.engine.tokenizer, parsed.messages)
         except Exception as exc:  # jinja raises for messages the template refuses
             raise APIError(
                 400, f"the chat template rejected messages: {exc}", param="messages"
             ) from exc
-        return list(ids), None
+        return _tokenize(served.engine, text), None
     messages = parsed.messages
     if messages[-1]["role"] != "user":
         raise APIError(
