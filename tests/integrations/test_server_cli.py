@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ragkv.errors import MissingDependencyError
-from ragkv.integrations import server_cli
+from ragkv.integrations.openai.server import cli as server_cli
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -26,7 +26,9 @@ def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatc
 
 
 def test_without_the_server_extra_it_names_the_pip_extra(monkeypatch):
-    for name in [m for m in sys.modules if m.startswith(("fastapi", "ragkv.integrations.server"))]:
+    for name in [
+        m for m in sys.modules if m.startswith(("fastapi", "ragkv.integrations.openai.server"))
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "fastapi", None)  # makes `import fastapi` fail
     args = parse("--port", "1")

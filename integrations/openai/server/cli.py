@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
         raise MissingDependencyError("uvicorn", "server") from exc
     # Imported before the model loads, so a missing fastapi fails in a second, not a minute.
     from ragkv.cache_engine import Engine
-    from ragkv.integrations.openai_protocol import RequestLimits
-    from ragkv.integrations.server import create_app
+    from ragkv.integrations.openai.protocol import RequestLimits
+    from ragkv.integrations.openai.server.app import create_app
 
     api_keys = None
     if args.api_keys is not None:

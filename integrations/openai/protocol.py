@@ -30,7 +30,7 @@ from ragkv.cache_engine.sampling_params import (
 )
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
-from ragkv.integrations.server_cli import (
+from ragkv.integrations.openai.server.cli import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
     DEFAULT_MAX_RAG_BYTES,
