@@ -1,8 +1,9 @@
 """ragkv and the OpenAI wire format, as one package.
 
-- :mod:`.protocol`: the request and response shapes (``ragkv serve``'s parsing and bodies).
+- :mod:`.protocol`, :mod:`.responses`, :mod:`.schemas`: the request and response shapes
+  (``ragkv serve``'s parsing, bodies and JSON Schemas).
 - :mod:`.client`: :class:`RemoteEngine`, an :class:`~ragkv.cache_engine.engine_like.EngineLike`
-  over any OpenAI-compatible server (httpx only).
+  over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers.
 - :mod:`.server`: ``ragkv serve``, the FastAPI app (``pip install ragkv[server]``).
 
 Names load lazily: ``ragkv --help`` imports the server's CLI module, which must not pull

@@ -1,4 +1,5 @@
-"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing and response bodies.
+"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing and limits (response
+bodies in :mod:`.responses`, the matching JSON Schemas in :mod:`.schemas`).
 
 Pure Python (no web framework), so the rules are testable on their own. Parsing is strict
 about types and refuses features the engine does not have (``n > 1``, penalties, logprobs)
@@ -14,16 +15,11 @@ vLLM extensions understood: ``cache_salt``, ``top_k``, ``min_p``, ``stop_token_i
 from __future__ import annotations
 
 import contextlib
-import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragkv.cache_engine.outputs import Output
 from ragkv.cache_engine.sampling_params import (
-    OPENAI_SEED_MAX,
-    OPENAI_SEED_MIN,
     json_field,
     json_ints,
     openai_fields,
@@ -204,81 +200,6 @@ def _path_name(path: tuple[str | int, ...]) -> str:
     return name
 
 
-def completion_body(
-    request_id: str, model: str, output: Output, *, return_token_ids: bool
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": output.text,
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
-    return _envelope(request_id, "text_completion", model, [choice], output.usage.to_openai())
-
-
-def chat_body(
-    request_id: str, model: str, output: Output, *, return_token_ids: bool
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": output.text},
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
-    return _envelope(request_id, "chat.completion", model, [choice], output.usage.to_openai())
-
-
-def completion_chunk(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return _envelope(request_id, "text_completion", model, [choice])
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return _envelope(request_id, "chat.completion.chunk", model, [choice])
-
-
-def usage_chunk(request_id: str, model: str, obj: str, usage: dict[str, Any]) -> dict[str, Any]:
-    """The extra last chunk of a stream with ``stream_options.include_usage``."""
-    return _envelope(request_id, obj, model, [], usage)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 # -- parsing helpers ----------------------------------------------------------------------
 
 
@@ -447,154 +368,3 @@ def _object(body: Any) -> dict[str, Any]:
 def _unsupported(param: str, what: str | None = None) -> APIError:
     detail = f"; ragkv serve supports {what}" if what else ""
     return APIError(400, f"{param} is not supported by ragkv serve{detail}", param=param)
-
-
-def _envelope(
-    request_id: str,
-    obj: str,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-# -- request schemas (OpenAPI documentation and fuzzing input) ---------------------------------
-
-
-def request_schemas(
-    limits: RequestLimits,
-    *,
-    model_name: str,
-    vocab_size: int | None,
-    max_model_len: int | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """JSON Schemas of the completions and chat bodies this module accepts.
-
-    The parsers above are the authority; these describe the same rules (types, ranges and
-    this server's limits) so ``app.openapi()`` documents the real bodies and a schema fuzzer
-    generates meaningful ones. Unknown fields stay allowed, as the parsers ignore them.
-    """
-    token: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size is not None:
-        token["maximum"] = vocab_size - 1
-    max_tokens: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
-    if max_model_len is not None:
-        max_tokens["maximum"] = max_model_len
-    token_prompt: dict[str, Any] = {"type": "array", "items": token, "minItems": 1}
-    if limits.max_prompt_tokens is not None:
-        token_prompt["maxItems"] = limits.max_prompt_tokens
-    common: dict[str, Any] = {
-        "model": {"enum": [model_name, None]},
-        "max_tokens": max_tokens,
-        "temperature": {"type": ["number", "null"], "minimum": 0},
-        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": ["integer", "null"], "minimum": -1},
-        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-        "seed": {
-            "type": ["integer", "null"],
-            "minimum": OPENAI_SEED_MIN,
-            "maximum": OPENAI_SEED_MAX,
-        },
-        "stop": {
-            "anyOf": [
-                {"type": "null"},
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "maxItems": limits.max_stop_strings,
-                },
-            ]
-        },
-        "stop_token_ids": {"type": ["array", "null"], "items": token},
-        "ignore_eos": {"type": ["boolean", "null"]},
-        "include_stop_str_in_output": {"type": ["boolean", "null"]},
-        "skip_special_tokens": {"type": ["boolean", "null"]},
-        "stream": {"type": ["boolean", "null"]},
-        "stream_options": {
-            "type": ["object", "null"],
-            "properties": {"include_usage": {"type": ["boolean", "null"]}},
-        },
-        "cache_salt": {"type": ["string", "null"]},
-        "return_token_ids": {"type": ["boolean", "null"]},
-        "n": {"type": ["integer", "null"], "enum": [1, None]},
-        "presence_penalty": {"type": ["number", "null"], "enum": [0, None]},
-        "frequency_penalty": {"type": ["number", "null"], "enum": [0, None]},
-        "user": {"type": ["string", "null"]},
-    }
-    completion = {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {
-            **common,
-            "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_prompt]},
-            "echo": {"type": ["boolean", "null"], "enum": [False, None]},
-        },
-    }
-    content = {
-        "anyOf": [
-            {"type": "string"},
-            {"type": "null"},
-            {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["type", "text"],
-                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                },
-            },
-        ]
-    }
-    chunk = {
-        "anyOf": [
-            {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
-            {
-                "type": "object",
-                "required": ["content"],
-                "properties": {
-                    "content": {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
-                    "source_id": {"type": ["string", "null"]},
-                    "score": {"type": ["number", "null"]},
-                    "metadata": {"type": ["object", "null"]},
-                },
-            },
-        ]
-    }
-    chat = {
-        "type": "object",
-        "required": ["messages"],
-        "properties": {
-            **common,
-            "max_completion_tokens": max_tokens,
-            "messages": {
-                "type": "array",
-                "minItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["role"],
-                    "properties": {"role": {"type": "string"}, "content": content},
-                },
-            },
-            "ragkv": {
-                "type": ["object", "null"],
-                "description": "ragkv extension: chunks deduplicated and assembled on the "
-                "server; the last message must then be the user's question",
-                "properties": {
-                    "chunks": {"type": "array", "items": chunk, "maxItems": limits.max_chunks},
-                    "system": {"type": ["string", "null"]},
-                },
-            },
-            "logprobs": {"type": ["boolean", "null"], "enum": [False, None]},
-        },
-    }
-    return completion, chat

@@ -51,6 +51,7 @@ from ragkv.errors import (
     RagkvError,
 )
 from ragkv.integrations.openai import protocol as proto
+from ragkv.integrations.openai import schemas
 from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
 from ragkv.integrations.openai.server import auth
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
@@ -148,7 +149,7 @@ def create_app(
 
 
 def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
-    completion_schema, chat_schema = proto.request_schemas(
+    completion_schema, chat_schema = schemas.request_schemas(
         served.limits,
         model_name=served.model_name,
         vocab_size=vocab_size,

@@ -19,7 +19,7 @@ from ragkv.errors import (
     RagkvError,
     RequestAbortedError,
 )
-from ragkv.integrations.openai import protocol as proto
+from ragkv.integrations.openai import responses
 from ragkv.integrations.openai.protocol import GenerationRequest
 from ragkv.integrations.openai.server.errors import (
     ClientGone,
@@ -52,7 +52,7 @@ async def generate(
         max_tokens = max(1, limit - len(token_ids))
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s
-    request_id = proto.new_request_id("chatcmpl" if chat else "cmpl")
+    request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
     stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt)
     served.metrics.in_flight.inc()
     try:
@@ -76,7 +76,7 @@ async def generate(
     finally:
         served.metrics.in_flight.dec()
         await stream.aclose()
-    build = proto.chat_body if chat else proto.completion_body
+    build = responses.chat_body if chat else responses.completion_body
     body = build(request_id, served.model_name, output, return_token_ids=parsed.return_token_ids)
     if extra is not None:
         body["ragkv"] = extra
@@ -105,7 +105,9 @@ async def _sse(
         async with contextlib.aclosing(stream):
             if chat:
                 yield _event(
-                    proto.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
+                    responses.chat_chunk(
+                        request_id, model, {"role": "assistant", "content": ""}, None
+                    )
                 )
             delta = first
             while True:
@@ -121,7 +123,7 @@ async def _sse(
             if parsed.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _event(
-                    proto.usage_chunk(request_id, model, obj, delta.output.usage.to_openai())
+                    responses.usage_chunk(request_id, model, obj, delta.output.usage.to_openai())
                 )
     except TimeoutError:
         yield _event(timeout_error(served).body())
@@ -156,8 +158,8 @@ def _stream_chunk(
     tokens = delta.token_ids if ids else None
     if chat:
         content = {"content": delta.text} if delta.text else {}
-        return proto.chat_chunk(request_id, model, content, delta.finish_reason, tokens)
-    return proto.completion_chunk(request_id, model, delta.text, delta.finish_reason, tokens)
+        return responses.chat_chunk(request_id, model, content, delta.finish_reason, tokens)
+    return responses.completion_chunk(request_id, model, delta.text, delta.finish_reason, tokens)
 
 
 def _event(payload: dict[str, Any]) -> bytes:
