@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from ragkv.cache_engine.config import DEFAULTS
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import InvalidInputError, RemoteEngineError
@@ -48,10 +49,11 @@ class RemoteEngine:
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
     ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``model`` defaults to the
-    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size (vLLM's
-    default is 16), which the assembler aligns stable segments to. ``cache_salt`` is the
-    default salt for calls that pass none. ``timeout_s`` bounds each HTTP attempt (connect,
-    and each read of a stream); ``max_retries`` attempts follow a retryable failure.
+    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size, which the
+    assembler aligns stable segments to (default: ragkv's own, ``DEFAULTS.block_size``; vLLM's
+    is 16 too). ``cache_salt`` is the default salt for calls that pass none. ``timeout_s``
+    bounds each HTTP attempt (connect, and each read of a stream); ``max_retries`` attempts
+    follow a retryable failure.
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class RemoteEngine:
         tokenizer: Any,
         model: str | None = None,
         api_key: str | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULTS.block_size,
         cache_salt: str | None = None,
         timeout_s: float = 120.0,
         max_retries: int = 3,

@@ -40,3 +40,20 @@ def test_non_loopback_hosts_are_recognised():
     assert server_cli._is_loopback("127.0.0.1") and server_cli._is_loopback("::1")
     assert server_cli._is_loopback("localhost")
     assert not server_cli._is_loopback("0.0.0.0")
+
+
+def test_engine_flags_default_to_the_one_engine_config():
+    from ragkv.cache_engine.config import DEFAULTS, DTYPES
+
+    args = parse()
+    assert (args.device, args.dtype, args.block_size) == (
+        DEFAULTS.device,
+        DEFAULTS.dtype,
+        DEFAULTS.block_size,
+    )
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (
+        DEFAULTS.max_num_seqs,
+        DEFAULTS.max_num_batched_tokens,
+    )
+    for dtype in DTYPES:
+        assert parse("--dtype", dtype).dtype == dtype
