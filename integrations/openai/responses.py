@@ -13,30 +13,17 @@ from ragkv.cache_engine.outputs import Output
 def completion_body(
     request_id: str, model: str, output: Output, *, return_token_ids: bool
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": output.text,
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
+    ids = _output_ids(output) if return_token_ids else {}
+    choice = _choice({"text": output.text}, output.finish_reason, ids)
     return _envelope(request_id, "text_completion", model, [choice], output.usage.to_openai())
 
 
 def chat_body(
     request_id: str, model: str, output: Output, *, return_token_ids: bool
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": output.text},
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
+    ids = _output_ids(output) if return_token_ids else {}
+    message = {"role": "assistant", "content": output.text}
+    choice = _choice({"message": message}, output.finish_reason, ids)
     return _envelope(request_id, "chat.completion", model, [choice], output.usage.to_openai())
 
 
@@ -47,14 +34,8 @@ def completion_chunk(
     finish_reason: str | None,
     token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+    ids = {} if token_ids is None else {"token_ids": token_ids}
+    choice = _choice({"text": text}, finish_reason, ids)
     return _envelope(request_id, "text_completion", model, [choice])
 
 
@@ -65,15 +46,20 @@ def chat_chunk(
     finish_reason: str | None,
     token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+    ids = {} if token_ids is None else {"token_ids": token_ids}
+    choice = _choice({"delta": delta}, finish_reason, ids)
     return _envelope(request_id, "chat.completion.chunk", model, [choice])
+
+
+def _choice(
+    content: dict[str, Any], finish_reason: str | None, ids: dict[str, list[int]]
+) -> dict[str, Any]:
+    """One choice: ``content`` is its text, message or delta; ``ids`` the vLLM-style token ids."""
+    return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason, **ids}
+
+
+def _output_ids(output: Output) -> dict[str, list[int]]:
+    return {"prompt_token_ids": output.prompt_token_ids, "token_ids": output.token_ids}
 
 
 def usage_chunk(request_id: str, model: str, obj: str, usage: dict[str, Any]) -> dict[str, Any]:

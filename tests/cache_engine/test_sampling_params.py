@@ -110,19 +110,11 @@ def test_stop_caps_accept_their_limits():
 
 
 def test_openai_mapping_round_trips():
-    params = SamplingParams(
-        max_tokens=7,
-        temperature=0.5,
-        top_k=3,
-        top_p=0.9,
-        min_p=0.1,
-        seed=11,
-        stop=["\n"],
-        stop_token_ids=[2],
-        ignore_eos=True,
-        include_stop_str_in_output=True,
-        skip_special_tokens=False,
-    )
+    body = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1}
+    body |= {"seed": 11, "stop": ["\n"], "stop_token_ids": [2], "ignore_eos": True}
+    body |= {"include_stop_str_in_output": True, "skip_special_tokens": False}
+    params = SamplingParams.from_openai(body)
+    assert params.to_openai() == body
     assert SamplingParams.from_openai(params.to_openai()) == params
 
 
