@@ -17,14 +17,19 @@ the history turns) around unique placeholder strings and split there; the static
 tokenized once and cached, and segment token ids are spliced between them. Without a chat
 template (or ``chat_template=False``) the plain layout is
 ``system message ⊕ "\\n\\n{Role}: {turn}"… ⊕ "\\n\\nQuestion: {question}\\nAnswer:"``.
+
+:func:`render_chat` is ragkv's one chat renderer: the assembler, the framework adapters and
+``ragkv serve`` all render messages with it, so a prompt means the same everywhere.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ragkv.assembler.tokenization import TextTokenizer
+from ragkv.assembler.tokenization import TextTokenizer, chat_template_of
 from ragkv.errors import ConfigError
 
 _MAX_FRAMES = 64
@@ -105,7 +110,7 @@ class PromptTemplate:
         if not self.uses_chat_template:
             return render_plain(messages, self.layout)
         try:
-            return self.tokenizer.render_chat(messages)
+            return render_chat(self.tokenizer.tokenizer, messages)
         except Exception as exc:  # jinja raises its own error types for unsupported roles
             raise ConfigError(
                 f"The chat template cannot render roles {[m['role'] for m in messages]}: "
@@ -113,11 +118,26 @@ class PromptTemplate:
             ) from exc
 
 
-def render_plain(messages: list[dict[str, str]], layout: Layout) -> str:
-    """The plain (no chat template) rendering of system, history turns and question."""
-    system, *turns, question = messages
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], layout: Layout | None = None
+) -> str:
+    """``messages`` as prompt text: the tokenizer's chat template with the generation prompt,
+    or, when the tokenizer has no chat template, :func:`render_plain` (the one fallback).
+
+    Tokenize the result with ``add_special_tokens=False``: a template writes its own BOS.
+    """
+    if chat_template_of(tokenizer) is None:
+        return render_plain(messages, layout or Layout())
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def render_plain(messages: Sequence[dict[str, str]], layout: Layout) -> str:
+    """The plain layout (no chat template): a leading system message's content as is, each
+    later message but the last as ``"\\n\\n{Role}: {content}"``, then the last message (the
+    question) between ``layout.question_prefix`` and ``layout.answer_prefix``."""
+    *turns, question = messages
+    system = turns.pop(0)["content"] if turns and turns[0]["role"] == "system" else None
     history = "".join(f"\n\n{m['role'].title()}: {m['content']}" for m in turns)
-    return (
-        f"{system['content']}{history}{layout.question_prefix}{question['content']}"
-        f"{layout.answer_prefix}"
-    )
+    text = f"{system or ''}{history}{layout.question_prefix}{question['content']}"
+    text += layout.answer_prefix
+    return text if system is not None else text.removeprefix("\n\n")

@@ -61,14 +61,13 @@ class TextTokenizer:
     @property
     def chat_template(self) -> str | None:
         """The tokenizer's chat template string, if it has one."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        return template if isinstance(template, str) and template else None
+        return chat_template_of(self.tokenizer)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The chat template rendered as text, with the generation prompt appended."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    """A Hugging Face tokenizer's chat template string, or None when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) and template else None
 
 
 def tokenizer_key(tokenizer: Any) -> str:

@@ -125,8 +125,8 @@ def main() -> None:
         report = asyncio.run(run_load(args.url, args.api_key, prompts, args.max_tokens))
     else:
         from ragkv.cache_engine import Engine
-        from ragkv.integrations.server import create_app
-        from ragkv.integrations.server_thread import ServerThread
+        from ragkv.integrations.openai.server.app import create_app
+        from ragkv.integrations.openai.server.thread import ServerThread
 
         with (
             Engine.from_pretrained(

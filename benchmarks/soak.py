@@ -452,8 +452,8 @@ def run_soak(
 ) -> SoakReport:
     """Serve ``engine`` on loopback with three tenants and soak it; return the report."""
     from ragkv.cache_engine import SamplingParams
-    from ragkv.integrations.server import create_app
-    from ragkv.integrations.server_thread import ServerThread
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
 
     valid_prompts = _prompts(seed, VALID_PROMPTS, range(3, 200))
     noise_prompts = _prompts(seed + 1, NOISE_PROMPTS, range(200, 500))

@@ -82,7 +82,9 @@ class Engine:
             kwargs["hash_algo"] = kwargs.pop("hash")
         return cls(EngineConfig(model=path, **kwargs))
 
-    # -- public API -------------------------------------------------------------------
+    # -- public API (EngineLike) --------------------------------------------------------
+    knows_residency = True
+
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens the KV pool holds in all (prompt + output of every request in flight)."""

@@ -8,24 +8,32 @@ from typing import Any
 
 @dataclass(slots=True)
 class Usage:
-    """Token accounting in the OpenAI shape; ``cached_tokens`` is always present (0 included)."""
+    """Token accounting in the OpenAI shape.
+
+    ``cached_tokens`` is always an int (0 included) from the in-process engine; it is ``None``
+    only when a remote server did not say (OpenAI-compatible servers may omit
+    ``prompt_tokens_details``): unknown, not 0.
+    """
 
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def to_openai(self) -> dict[str, Any]:
-        """``usage`` object of an OpenAI completion response."""
-        return {
+        """``usage`` object of an OpenAI completion response (no ``prompt_tokens_details``
+        when ``cached_tokens`` is unknown)."""
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 @dataclass(slots=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ragkv.errors import InvalidInputError
 
@@ -20,6 +22,11 @@ MAX_SEED = 2**64 - 1
 # 256 + len(new text) characters, whatever the request asks for.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+# OpenAI's ``seed`` is a signed 64-bit integer (OpenAI's and vLLM's schemas); a negative one
+# is taken as its two's complement, since the engine's seeds are unsigned.
+OPENAI_SEED_MIN, OPENAI_SEED_MAX = -(2**63), 2**63 - 1
+# OpenAI's default temperature; ragkv's own default (greedy) is SamplingParams().temperature.
+OPENAI_TEMPERATURE = 1.0
 
 
 @dataclass(slots=True)
@@ -64,6 +71,48 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         # Bad settings fail where they are written, not later in a server's stepping thread.
         self.validate()
+
+    @classmethod
+    def from_openai(
+        cls,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int = 16,
+        default_temperature: float = OPENAI_TEMPERATURE,
+        max_stop_strings: int = MAX_STOP_STRINGS,
+    ) -> SamplingParams:
+        """The settings of an OpenAI (or vLLM-extended) request body; absent or null fields
+        take their default. ``max_completion_tokens`` wins over ``max_tokens``. Raises
+        :class:`~ragkv.errors.InvalidInputError` whose ``param`` is the body's field."""
+        max_tokens = json_field(body, "max_completion_tokens", int, None)
+        if max_tokens is None:
+            max_tokens = json_field(body, "max_tokens", int, default_max_tokens)
+        fields = openai_fields(
+            body, default_temperature=default_temperature, max_stop_strings=max_stop_strings
+        )
+        return cls(max_tokens=max_tokens, **fields)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The request-body fields for these settings. The vLLM-style extensions appear only
+        when they differ from the neutral value: a plain OpenAI server refuses unknown
+        fields. ``logprobs`` is not mapped (the completions API means something else)."""
+        body: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        extensions = {
+            "top_k": self.top_k if self.top_k > 0 else None,
+            "min_p": self.min_p or None,
+            "seed": self.seed,
+            "stop": self.stop or None,
+            "stop_token_ids": self.stop_token_ids or None,
+            "ignore_eos": self.ignore_eos or None,
+            "include_stop_str_in_output": self.include_stop_str_in_output or None,
+            "skip_special_tokens": None if self.skip_special_tokens else False,
+        }
+        body.update({k: v for k, v in extensions.items() if v is not None})
+        return body
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +188,117 @@ class SamplingParams:
                     f"stop_token_ids holds {t}, outside the vocabulary; "
                     f"stop token ids must be in {bound}.",
                 )
+
+
+# -- the OpenAI mapping -------------------------------------------------------------------
+
+
+def openai_fields(
+    body: Mapping[str, Any],
+    *,
+    default_temperature: float = OPENAI_TEMPERATURE,
+    max_stop_strings: int = MAX_STOP_STRINGS,
+) -> dict[str, Any]:
+    """The :class:`SamplingParams` keyword arguments (all but ``max_tokens``) an OpenAI body
+    sets, type-checked; fields it leaves unset are omitted, so the class default applies
+    (temperature: ``default_temperature``). Ranges are checked by :meth:`SamplingParams.validate`.
+    """
+    fields = {
+        "temperature": json_field(body, "temperature", float, default_temperature),
+        "top_p": json_field(body, "top_p", float, 1.0),
+        "top_k": json_field(body, "top_k", int, 0),
+        "min_p": json_field(body, "min_p", float, 0.0),
+        "seed": _openai_seed(body),
+        "stop": _openai_stop(body.get("stop"), max_stop_strings),
+        "stop_token_ids": _openai_ints(body, "stop_token_ids"),
+        "ignore_eos": json_field(body, "ignore_eos", bool, False),
+        "include_stop_str_in_output": json_field(body, "include_stop_str_in_output", bool, False),
+        "skip_special_tokens": json_field(body, "skip_special_tokens", bool, True),
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "an object",
+}
+
+
+def json_field(
+    body: Mapping[str, Any], name: str, kind: type, default: Any, prefix: str = ""
+) -> Any:
+    """``body[name]`` if present and of ``kind`` in JSON's sense (``2.0`` is an integer, an
+    integer is a number; null means ``default``); else InvalidInputError with ``param``
+    ``prefix + name``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is int:
+        value = json_integral(value)
+        ok = value is not None
+    elif kind is float:
+        ok = _is_int(value) or isinstance(value, float)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        param = prefix + name
+        _fail(param, f"{param} must be {_TYPE_NAMES[kind]}, got {type(body[name]).__name__}")
+    return value
+
+
+def json_integral(value: Any) -> int | None:
+    """``value`` as an int if it is one in JSON Schema's sense (``2`` or ``2.0``), else None."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def json_ints(value: Any) -> list[int] | None:
+    """``value`` as a list of ints (JSON Schema integers), else None."""
+    if not isinstance(value, list):
+        return None
+    ints = [json_integral(v) for v in value]
+    return None if any(i is None for i in ints) else ints
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _openai_seed(body: Mapping[str, Any]) -> int | None:
+    seed = json_field(body, "seed", int, None)
+    if seed is not None and not OPENAI_SEED_MIN <= seed <= OPENAI_SEED_MAX:
+        _fail("seed", f"seed must be a signed 64-bit integer, got {seed}")
+    return None if seed is None else seed % 2**64
+
+
+def _openai_stop(stop: Any, max_stop_strings: int) -> list[str] | None:
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > max_stop_strings:
+            _fail(
+                "stop",
+                f"stop has {len(stop)} strings; at most {max_stop_strings} are accepted",
+            )
+        return stop
+    _fail("stop", "stop must be a string or a list of strings")
+    return None  # pragma: no cover - _fail raised
+
+
+def _openai_ints(body: Mapping[str, Any], name: str) -> list[int] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ints = json_ints(value)
+    if ints is None:
+        _fail(name, f"{name} must be a list of integers")
+    return ints
 
 
 def _fail(param: str, message: str) -> None:

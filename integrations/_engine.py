@@ -8,7 +8,9 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from ragkv.assembler.template import render_chat
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.errors import RequestAbortedError
 
 _ENGINES: dict[tuple[Any, ...], Engine] = {}
@@ -32,7 +34,7 @@ def shared_engine(
         return engine
 
 
-def engine_for(adapter: Any) -> Engine:
+def engine_for(adapter: Any) -> EngineLike:
     """The engine of a framework adapter: its ``engine`` field, else the shared engine of its
     ``model``/``device``/``dtype`` fields (loaded on first use)."""
     if adapter.engine is not None:
@@ -41,15 +43,9 @@ def engine_for(adapter: Any) -> Engine:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template (plus the
-    generation prompt); ``Role: text`` lines when the tokenizer has no template."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-    else:
-        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        text = "\n\n".join([*lines, "Assistant:"])
+    """Token ids of ``messages`` rendered by ragkv's one chat renderer
+    (:func:`ragkv.assembler.template.render_chat`)."""
+    text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -63,19 +59,23 @@ def sampling_params(
     stop: Sequence[str] | None = None,
     default_max_tokens: int = 256,
 ) -> SamplingParams:
-    """Engine sampling parameters from framework-style optional fields (None: engine default)."""
-    return SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=0.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None else top_k,
-        seed=seed,
-        stop=list(stop or []),
+    """Engine sampling parameters from framework-style optional fields (None: default; the
+    temperature default is greedy), through the one OpenAI mapping."""
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": None if stop is None else list(stop),
+    }
+    return SamplingParams.from_openai(
+        body, default_max_tokens=default_max_tokens, default_temperature=0.0
     )
 
 
 def stream_until(
-    engine: Engine,
+    engine: EngineLike,
     prompt: list[int],
     params: SamplingParams,
     *,
@@ -95,7 +95,7 @@ def stream_until(
 
 
 async def astream_until(
-    engine: Engine,
+    engine: EngineLike,
     prompt: list[int],
     params: SamplingParams,
     *,

@@ -4,7 +4,7 @@ Each subcommand lives in its own module exposing ``add_parser(subparsers)``, whi
 registers the parser and sets ``func(args) -> int``. Modules import their heavy
 dependencies (torch, transformers, fastapi) inside ``func``, so ``ragkv --help`` stays fast.
 ``serve`` is the one place the core reaches into ``integrations/``: its parser module
-(``ragkv.integrations.server_cli``) imports no framework at module level, and the HTTP
+(``ragkv.integrations.openai.server.cli``) imports no framework at module level, and the HTTP
 server, which needs the ``server`` extra, is imported only when the command runs.
 """
 
@@ -22,7 +22,7 @@ from ragkv.errors import RagkvError
 SUBCOMMANDS = {
     "demo": "ragkv.demo",
     "bench": "ragkv.bench.cli",
-    "serve": "ragkv.integrations.server_cli",
+    "serve": "ragkv.integrations.openai.server.cli",
 }
 
 

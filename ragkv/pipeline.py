@@ -18,6 +18,7 @@ from typing import Any
 
 from ragkv.assembler import Assembler, PromptPlan
 from ragkv.assembler.structured import SystemLike
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
@@ -64,9 +65,9 @@ class AnswerDelta:
 
 
 class Pipeline:
-    """Dedup + assembler + engine. ``engine`` is an :class:`~ragkv.cache_engine.Engine` or any
-    object with the same ``tokenizer``, ``block_size`` and ``generate``/``stream``/
-    ``agenerate``/``astream`` surface (e.g. :class:`ragkv.integrations.openai.RemoteEngine`).
+    """Dedup + assembler + engine. ``engine`` is any
+    :class:`~ragkv.cache_engine.engine_like.EngineLike`: the in-process
+    :class:`~ragkv.cache_engine.Engine` or :class:`ragkv.integrations.openai.RemoteEngine`.
 
     ``dedup=False`` skips the dedup stage (the prompt then carries duplicates as retrieved).
     Collapsing duplicates is the dedup stage's job (it honours the deduplicator's ``key``),
@@ -82,7 +83,7 @@ class Pipeline:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineLike,
         deduplicator: Deduplicator | None = None,
         assembler: Assembler | None = None,
         *,
@@ -151,9 +152,9 @@ class Pipeline:
         else:
             result = _identity_result(chunk_list)
         t1 = time.perf_counter()
-        residency = getattr(self.engine, "cached_prefix_length", None)
-        if residency is not None:
-            residency = functools.partial(residency, cache_salt=cache_salt)
+        residency = None
+        if self.engine.knows_residency:
+            residency = functools.partial(self.engine.cached_prefix_length, cache_salt=cache_salt)
         plan = self.assembler_for(namespace if namespace is not None else cache_salt).assemble(
             system=system,
             chunks=result.chunks,

@@ -92,7 +92,8 @@ def profile_workload(
 
     spec = lane_specs(["ragkv"], order)[0]
     # The lane's own pipeline, without a model: only prepare() is used.
-    pipeline = build_pipeline(spec, SimpleNamespace(tokenizer=tokenizer, block_size=block_size))
+    stand_in = SimpleNamespace(tokenizer=tokenizer, block_size=block_size, knows_residency=False)
+    pipeline = build_pipeline(spec, stand_in)
     filler = " ".join(["answer"] * max_tokens)
     turns: dict[str, list[dict[str, str]]] = defaultdict(list)
     blocks: set[bytes] = set()

@@ -7,6 +7,7 @@ import pydoc_data.topics
 import pytest
 
 from ragkv.assembler import Assembler, SegmentKind
+from ragkv.assembler.template import Layout, render_chat, render_plain
 from ragkv.errors import ConfigError, InvalidInputError
 
 _TEXT = " ".join(list(pydoc_data.topics.topics.values())[30:40])
@@ -86,3 +87,14 @@ def test_bad_inputs_are_rejected_with_invalid_input_errors(local_tokenizer):
     with pytest.raises(InvalidInputError):
         asm.assemble(question="q", chunks=[42])  # type: ignore[list-item]
     assert asm.assemble(question="q").spans(SegmentKind.QUESTION)[0].end > 0
+
+
+def test_one_plain_fallback_for_tokenizers_without_a_chat_template():
+    class NoTemplate:
+        chat_template = None
+
+    layout = Layout()
+    with_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+    assert render_chat(NoTemplate(), with_system) == "S\n\nQuestion: q\nAnswer:"
+    turns = [{"role": "user", "content": "hi"}, {"role": "user", "content": "q"}]
+    assert render_plain(turns, layout) == "User: hi\n\nQuestion: q\nAnswer:"

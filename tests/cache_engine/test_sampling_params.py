@@ -107,3 +107,38 @@ def test_seed_accepts_the_whole_unsigned_64_bit_range():
 def test_stop_caps_accept_their_limits():
     params = SamplingParams(stop=["a" * MAX_STOP_CHARS, "b", "c", "d"])
     assert len(params.stop) == MAX_STOP_STRINGS == 4
+
+
+def test_openai_mapping_round_trips():
+    body = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1}
+    body |= {"seed": 11, "stop": ["\n"], "stop_token_ids": [2], "ignore_eos": True}
+    body |= {"include_stop_str_in_output": True, "skip_special_tokens": False}
+    params = SamplingParams.from_openai(body)
+    assert params.to_openai() == body
+    assert SamplingParams.from_openai(params.to_openai()) == params
+
+
+def test_openai_body_defaults_and_only_set_extensions_go_out():
+    params = SamplingParams.from_openai({"max_completion_tokens": 5, "max_tokens": 9})
+    assert params.max_tokens == 5 and params.temperature == 1.0  # OpenAI's default
+    assert set(SamplingParams().to_openai()) == {"max_tokens", "temperature", "top_p"}
+
+
+def test_openai_negative_seed_is_its_twos_complement():
+    assert SamplingParams.from_openai({"seed": -1}).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+    ],
+)
+def test_openai_body_errors_name_their_field(body, param):
+    with pytest.raises(InvalidInputError) as info:
+        SamplingParams.from_openai(body)
+    assert info.value.param == param

@@ -30,8 +30,8 @@ def serve_engine(serve_model_dir):
 def start_server(serve_engine):
     """``start_server(**create_app_kwargs) -> base_url``; every server stops at session end."""
     pytest.importorskip("fastapi")
-    from ragkv.integrations.server import create_app
-    from ragkv.integrations.server_thread import ServerThread
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
 
     running = []
 

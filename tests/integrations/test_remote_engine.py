@@ -13,8 +13,9 @@ import pytest
 
 import ragkv
 from ragkv.cache_engine import SamplingParams
+from ragkv.cache_engine.outputs import Usage
 from ragkv.errors import RemoteEngineError
-from ragkv.integrations.openai import RemoteEngine, RemoteUsage
+from ragkv.integrations.openai import RemoteEngine
 
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 
@@ -171,7 +172,7 @@ def test_timeouts_are_retried_and_then_reported():
 def test_missing_cached_tokens_is_unknown_not_zero():
     script = Script(httpx.Response(200, json=completion()))
     usage = scripted(script).generate([1, 2, 3], PARAMS).usage
-    assert isinstance(usage, RemoteUsage)
+    assert isinstance(usage, Usage)
     assert usage.cached_tokens is None
     assert "prompt_tokens_details" not in usage.to_openai()
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ragkv.errors import MissingDependencyError
-from ragkv.integrations import server_cli
+from ragkv.integrations.openai.server import cli as server_cli
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -26,7 +26,9 @@ def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatc
 
 
 def test_without_the_server_extra_it_names_the_pip_extra(monkeypatch):
-    for name in [m for m in sys.modules if m.startswith(("fastapi", "ragkv.integrations.server"))]:
+    for name in [
+        m for m in sys.modules if m.startswith(("fastapi", "ragkv.integrations.openai.server"))
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "fastapi", None)  # makes `import fastapi` fail
     args = parse("--port", "1")
@@ -38,3 +40,20 @@ def test_non_loopback_hosts_are_recognised():
     assert server_cli._is_loopback("127.0.0.1") and server_cli._is_loopback("::1")
     assert server_cli._is_loopback("localhost")
     assert not server_cli._is_loopback("0.0.0.0")
+
+
+def test_engine_flags_default_to_the_one_engine_config():
+    from ragkv.cache_engine.config import DEFAULTS, DTYPES
+
+    args = parse()
+    assert (args.device, args.dtype, args.block_size) == (
+        DEFAULTS.device,
+        DEFAULTS.dtype,
+        DEFAULTS.block_size,
+    )
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (
+        DEFAULTS.max_num_seqs,
+        DEFAULTS.max_num_batched_tokens,
+    )
+    for dtype in DTYPES:
+        assert parse("--dtype", dtype).dtype == dtype

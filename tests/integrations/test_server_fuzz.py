@@ -39,8 +39,8 @@ def fuzz_engine(serve_model_dir):
 
 @pytest.fixture(scope="module")
 def fuzzed(fuzz_engine):
-    from ragkv.integrations.server import create_app
-    from ragkv.integrations.server_thread import ServerThread
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
 
     app = create_app(fuzz_engine, api_key=KEY, max_body_bytes=256 << 10, request_timeout_s=10)
     with ServerThread(app) as url:

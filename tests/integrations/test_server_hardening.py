@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from ragkv.errors import ConfigError, InvalidInputError  # noqa: E402
-from ragkv.integrations.openai_protocol import RequestLimits  # noqa: E402
+from ragkv.integrations.openai.protocol import RequestLimits  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789": "bob"}
@@ -26,8 +26,8 @@ KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789": "bob"}
 @pytest.fixture
 def serve(serve_engine):
     """``serve(**create_app_kwargs) -> (base_url, app)``; servers stop when the test ends."""
-    from ragkv.integrations.server import create_app
-    from ragkv.integrations.server_thread import ServerThread
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
 
     running = []
 
@@ -174,7 +174,7 @@ def test_tenants_never_share_cached_blocks(serve):
 
 
 def test_a_keyless_server_is_one_anonymous_tenant_and_says_so(serve, caplog):
-    with caplog.at_level("WARNING", logger="ragkv.integrations.server"):
+    with caplog.at_level("WARNING", logger="ragkv.integrations.openai.server.auth"):
         url, _ = serve(api_key=None)
     assert "without an API key" in caplog.text
     request = {"prompt": ids(23, 40), "max_tokens": 1, **GREEDY}
@@ -184,7 +184,7 @@ def test_a_keyless_server_is_one_anonymous_tenant_and_says_so(serve, caplog):
 
 
 def test_the_tenant_salt_is_fixed_size_and_unambiguous():
-    from ragkv.integrations.server import tenant_salt
+    from ragkv.integrations.openai.server.auth import tenant_salt
 
     salts = {
         tenant_salt("a", None),
@@ -211,7 +211,7 @@ def test_the_tenant_salt_is_fixed_size_and_unambiguous():
     ],
 )
 def test_an_api_keys_file_is_validated_at_start(tmp_path, text, message):
-    from ragkv.integrations.server_cli import load_api_keys
+    from ragkv.integrations.openai.server.cli import load_api_keys
 
     path = tmp_path / "keys.json"
     path.write_text(text)
@@ -405,7 +405,7 @@ def test_allowed_hosts_are_configurable(serve):
 
 
 def test_the_cli_default_allows_the_bind_address():
-    from ragkv.integrations.server_cli import allowed_hosts
+    from ragkv.integrations.openai.server.cli import allowed_hosts
 
     assert "10.1.2.3" in allowed_hosts("10.1.2.3", None)
     assert "localhost" in allowed_hosts("127.0.0.1", None)

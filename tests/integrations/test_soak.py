@@ -52,7 +52,7 @@ def test_a_short_fault_soak_loses_nothing_and_leaks_nothing(soak, soak_engine):
 
 def test_the_cross_tenant_probe_catches_a_shared_namespace(soak, soak_engine, monkeypatch):
     """The soak's isolation check has teeth: with tenant salts switched off it fails."""
-    import ragkv.integrations.server as server
+    import ragkv.integrations.openai.server.auth as server
 
     monkeypatch.setattr(server, "tenant_salt", lambda tenant, salt: salt)
     report = soak.run_soak(

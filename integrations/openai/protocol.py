@@ -1,4 +1,5 @@
-"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing and response bodies.
+"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing and limits (response
+bodies in :mod:`.responses`, the matching JSON Schemas in :mod:`.schemas`).
 
 Pure Python (no web framework), so the rules are testable on their own. Parsing is strict
 about types and refuses features the engine does not have (``n > 1``, penalties, logprobs)
@@ -13,28 +14,26 @@ vLLM extensions understood: ``cache_salt``, ``top_k``, ``min_p``, ``stop_token_i
 
 from __future__ import annotations
 
-import time
-import uuid
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragkv.cache_engine.outputs import Output
+from ragkv.cache_engine.sampling_params import (
+    json_field,
+    json_ints,
+    openai_fields,
+)
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
-from ragkv.integrations.server_cli import (
+from ragkv.integrations.openai.server.cli import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
     DEFAULT_MAX_RAG_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
 )
 
-# OpenAI's default; a client that wants ragkv's reproducible greedy decoding sends 0.
-DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# ``seed`` is a signed 64-bit integer, as in OpenAI's and vLLM's schemas; torch's generator
-# overflows past it, so a larger one is a 400 here rather than a failure inside the engine.
-# A negative seed is taken as its two's complement (the engine's seeds are unsigned).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -201,81 +200,6 @@ def _path_name(path: tuple[str | int, ...]) -> str:
     return name
 
 
-def completion_body(
-    request_id: str, model: str, output: Output, *, return_token_ids: bool
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": output.text,
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
-    return _envelope(request_id, "text_completion", model, [choice], output.usage.to_openai())
-
-
-def chat_body(
-    request_id: str, model: str, output: Output, *, return_token_ids: bool
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": output.text},
-        "logprobs": None,
-        "finish_reason": output.finish_reason,
-    }
-    if return_token_ids:
-        choice["prompt_token_ids"] = output.prompt_token_ids
-        choice["token_ids"] = output.token_ids
-    return _envelope(request_id, "chat.completion", model, [choice], output.usage.to_openai())
-
-
-def completion_chunk(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return _envelope(request_id, "text_completion", model, [choice])
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return _envelope(request_id, "chat.completion.chunk", model, [choice])
-
-
-def usage_chunk(request_id: str, model: str, obj: str, usage: dict[str, Any]) -> dict[str, Any]:
-    """The extra last chunk of a stream with ``stream_options.include_usage``."""
-    return _envelope(request_id, obj, model, [], usage)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 # -- parsing helpers ----------------------------------------------------------------------
 
 
@@ -294,21 +218,11 @@ def _common(
     if body.get("logit_bias"):
         raise _unsupported("logit_bias")
     stream_options = _get(body, "stream_options", dict, None) or {}
-    sampling = {
-        "temperature": _get(body, "temperature", float, DEFAULT_TEMPERATURE),
-        "top_p": _get(body, "top_p", float, 1.0),
-        "top_k": _get(body, "top_k", int, 0),
-        "min_p": _get(body, "min_p", float, 0.0),
-        "seed": _seed(body),
-        "stop": _stop(body.get("stop"), limits),
-        "stop_token_ids": _int_list(body, "stop_token_ids"),
-        "ignore_eos": _get(body, "ignore_eos", bool, False),
-        "include_stop_str_in_output": _get(body, "include_stop_str_in_output", bool, False),
-        "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
-    }
+    with _as_api_error():
+        sampling = openai_fields(body, max_stop_strings=limits.max_stop_strings)
     return GenerationRequest(
         model=_get(body, "model", str, None),
-        sampling={k: v for k, v in sampling.items() if v is not None},
+        sampling=sampling,
         max_tokens=_get(body, "max_tokens", int, max_tokens_default),
         stream=_get(body, "stream", bool, False),
         include_usage=_get(stream_options, "include_usage", bool, False, "stream_options."),
@@ -325,7 +239,7 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         return prompt
-    tokens = _ints(prompt)
+    tokens = json_ints(prompt)
     if tokens:
         return tokens
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -430,87 +344,19 @@ def _chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:
     return size
 
 
-def _seed(body: dict[str, Any]) -> int | None:
-    seed = _get(body, "seed", int, None)
-    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-        raise APIError(400, f"seed must be a signed 64-bit integer, got {seed}", param="seed")
-    return None if seed is None else seed % 2**64
-
-
-def _stop(stop: Any, limits: RequestLimits) -> list[str] | None:
-    if stop is None or isinstance(stop, str):
-        return None if stop is None else [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > limits.max_stop_strings:
-            raise APIError(
-                400,
-                f"stop has {len(stop)} strings; this server accepts at most "
-                f"{limits.max_stop_strings}",
-                param="stop",
-            )
-        return stop
-    raise APIError(400, "stop must be a string or a list of strings", param="stop")
-
-
-def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    ints = _ints(value)
-    if ints is None:
-        raise APIError(400, f"{name} must be a list of integers", param=name)
-    return ints
-
-
-_TYPE_NAMES = {
-    bool: "a boolean",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    dict: "an object",
-}
-
-
 def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
     """``body[name]`` if present and of ``kind`` (JSON null means default), else a 400."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is int:
-        value = _integral(value)
-        ok = value is not None
-    elif kind is float:
-        ok = _is_int(value) or isinstance(value, float)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        param = prefix + name
-        raise APIError(
-            400,
-            f"{param} must be {_TYPE_NAMES[kind]}, got {type(body[name]).__name__}",
-            param=param,
-        )
-    return value
+    with _as_api_error():
+        return json_field(body, name, kind, default, prefix)
 
 
-def _integral(value: Any) -> int | None:
-    """``value`` as an int if it is one in JSON Schema's sense (``2`` or ``2.0``), else None."""
-    if _is_int(value):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _ints(value: Any) -> list[int] | None:
-    if not isinstance(value, list):
-        return None
-    ints = [_integral(v) for v in value]
-    return None if any(i is None for i in ints) else ints
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@contextlib.contextmanager
+def _as_api_error() -> Iterator[None]:
+    """The 400 (with the field as ``param``) for a value the sampling mapping refuses."""
+    try:
+        yield
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -522,150 +368,3 @@ def _object(body: Any) -> dict[str, Any]:
 def _unsupported(param: str, what: str | None = None) -> APIError:
     detail = f"; ragkv serve supports {what}" if what else ""
     return APIError(400, f"{param} is not supported by ragkv serve{detail}", param=param)
-
-
-def _envelope(
-    request_id: str,
-    obj: str,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-# -- request schemas (OpenAPI documentation and fuzzing input) ---------------------------------
-
-
-def request_schemas(
-    limits: RequestLimits,
-    *,
-    model_name: str,
-    vocab_size: int | None,
-    max_model_len: int | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """JSON Schemas of the completions and chat bodies this module accepts.
-
-    The parsers above are the authority; these describe the same rules (types, ranges and
-    this server's limits) so ``app.openapi()`` documents the real bodies and a schema fuzzer
-    generates meaningful ones. Unknown fields stay allowed, as the parsers ignore them.
-    """
-    token: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size is not None:
-        token["maximum"] = vocab_size - 1
-    max_tokens: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
-    if max_model_len is not None:
-        max_tokens["maximum"] = max_model_len
-    token_prompt: dict[str, Any] = {"type": "array", "items": token, "minItems": 1}
-    if limits.max_prompt_tokens is not None:
-        token_prompt["maxItems"] = limits.max_prompt_tokens
-    common: dict[str, Any] = {
-        "model": {"enum": [model_name, None]},
-        "max_tokens": max_tokens,
-        "temperature": {"type": ["number", "null"], "minimum": 0},
-        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": ["integer", "null"], "minimum": -1},
-        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-        "seed": {"type": ["integer", "null"], "minimum": SEED_MIN, "maximum": SEED_MAX},
-        "stop": {
-            "anyOf": [
-                {"type": "null"},
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "maxItems": limits.max_stop_strings,
-                },
-            ]
-        },
-        "stop_token_ids": {"type": ["array", "null"], "items": token},
-        "ignore_eos": {"type": ["boolean", "null"]},
-        "include_stop_str_in_output": {"type": ["boolean", "null"]},
-        "skip_special_tokens": {"type": ["boolean", "null"]},
-        "stream": {"type": ["boolean", "null"]},
-        "stream_options": {
-            "type": ["object", "null"],
-            "properties": {"include_usage": {"type": ["boolean", "null"]}},
-        },
-        "cache_salt": {"type": ["string", "null"]},
-        "return_token_ids": {"type": ["boolean", "null"]},
-        "n": {"type": ["integer", "null"], "enum": [1, None]},
-        "presence_penalty": {"type": ["number", "null"], "enum": [0, None]},
-        "frequency_penalty": {"type": ["number", "null"], "enum": [0, None]},
-        "user": {"type": ["string", "null"]},
-    }
-    completion = {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {
-            **common,
-            "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_prompt]},
-            "echo": {"type": ["boolean", "null"], "enum": [False, None]},
-        },
-    }
-    content = {
-        "anyOf": [
-            {"type": "string"},
-            {"type": "null"},
-            {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["type", "text"],
-                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                },
-            },
-        ]
-    }
-    chunk = {
-        "anyOf": [
-            {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
-            {
-                "type": "object",
-                "required": ["content"],
-                "properties": {
-                    "content": {"type": "string", "maxLength": limits.max_chunk_bytes // 4},
-                    "source_id": {"type": ["string", "null"]},
-                    "score": {"type": ["number", "null"]},
-                    "metadata": {"type": ["object", "null"]},
-                },
-            },
-        ]
-    }
-    chat = {
-        "type": "object",
-        "required": ["messages"],
-        "properties": {
-            **common,
-            "max_completion_tokens": max_tokens,
-            "messages": {
-                "type": "array",
-                "minItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["role"],
-                    "properties": {"role": {"type": "string"}, "content": content},
-                },
-            },
-            "ragkv": {
-                "type": ["object", "null"],
-                "description": "ragkv extension: chunks deduplicated and assembled on the "
-                "server; the last message must then be the user's question",
-                "properties": {
-                    "chunks": {"type": "array", "items": chunk, "maxItems": limits.max_chunks},
-                    "system": {"type": ["string", "null"]},
-                },
-            },
-            "logprobs": {"type": ["boolean", "null"], "enum": [False, None]},
-        },
-    }
-    return completion, chat

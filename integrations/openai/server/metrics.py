@@ -7,11 +7,14 @@ several apps in one process (tests, embedding) do not clash.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -39,7 +42,9 @@ _COUNTERS = (
 class ServerMetrics:
     """HTTP request counts and in-flight gauge, plus an engine collector, in a private registry."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine | None) -> None:
+        """``engine`` is the in-process engine, or None when its statistics live elsewhere
+        (a pipeline over a RemoteEngine): then only the HTTP metrics are exported."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
             "ragkv_http_requests",
@@ -52,7 +57,7 @@ class ServerMetrics:
             "Generation requests being served (queued or running).",
             registry=self.registry,
         )
-        if callable(getattr(engine, "stats", None)):
+        if engine is not None:
             self.registry.register(_EngineCollector(engine))
 
     def render(self) -> bytes:
@@ -60,7 +65,7 @@ class ServerMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
@@ -84,14 +89,13 @@ class _EngineCollector(Collector):
             "Most KV blocks ever in use at once.",
             stats.peak_used_blocks,
         )
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is not None:
-            yield _gauge(
-                "ragkv_requests_waiting", "Requests queued for admission.", len(scheduler.waiting)
-            )
-            yield _gauge(
-                "ragkv_requests_running", "Requests admitted and running.", len(scheduler.running)
-            )
+        scheduler = self.engine.scheduler
+        yield _gauge(
+            "ragkv_requests_waiting", "Requests queued for admission.", len(scheduler.waiting)
+        )
+        yield _gauge(
+            "ragkv_requests_running", "Requests admitted and running.", len(scheduler.running)
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

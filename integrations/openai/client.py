@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from ragkv.cache_engine.outputs import Output, StreamDelta, Timings
+from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import InvalidInputError, RemoteEngineError
+from ragkv.integrations.openai.client_reader import (
+    StreamState,
+    http_error,
+    output_of,
+    transport_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,38 +45,15 @@ Prompt = str | Sequence[int]
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-@dataclass(slots=True)
-class RemoteUsage:
-    """Usage as the server reported it. ``cached_tokens`` is ``None`` when the server did not
-    say (OpenAI-compatible servers may omit ``prompt_tokens_details``): unknown, not 0."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_openai(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }
-        if self.cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return usage
-
-
 class RemoteEngine:
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
     ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``model`` defaults to the
-    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size (vLLM's
-    default is 16), which the assembler aligns stable segments to. ``cache_salt`` is the
-    default salt for calls that pass none. ``timeout_s`` bounds each HTTP attempt (connect,
-    and each read of a stream); ``max_retries`` attempts follow a retryable failure.
+    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size, which the
+    assembler aligns stable segments to (default: ragkv's own, ``DEFAULTS.block_size``; vLLM's
+    is 16 too). ``cache_salt`` is the default salt for calls that pass none. ``timeout_s``
+    bounds each HTTP attempt (connect, and each read of a stream); ``max_retries`` attempts
+    follow a retryable failure.
     """
 
     def __init__(
@@ -82,7 +63,7 @@ class RemoteEngine:
         tokenizer: Any,
         model: str | None = None,
         api_key: str | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULTS.block_size,
         cache_salt: str | None = None,
         timeout_s: float = 120.0,
         max_retries: int = 3,
@@ -114,7 +95,9 @@ class RemoteEngine:
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
 
-    # -- the Engine surface -----------------------------------------------------------------
+    # -- the Engine surface (EngineLike) ------------------------------------------------------
+    knows_residency = False
+
     @property
     def model_name(self) -> str:
         """The model id sent with every request (asked from ``/v1/models`` once if not given)."""
@@ -154,7 +137,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, params, cache_salt, stream=True)
         response = self._send(payload, stream=True)
-        state = _StreamState(ids, start)
+        state = StreamState(ids, start)
         try:
             for line in response.iter_lines():
                 delta = state.feed_line(line)
@@ -177,7 +160,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, params, cache_salt, stream=False)
         response = await self._asend(payload, stream=False)
-        return _output(response.json(), ids, start)
+        return output_of(response.json(), ids, start)
 
     async def astream(
         self,
@@ -190,7 +173,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, params, cache_salt, stream=True)
         response = await self._asend(payload, stream=True)
-        state = _StreamState(ids, start)
+        state = StreamState(ids, start)
         try:
             async for line in response.aiter_lines():
                 delta = state.feed_line(line)
@@ -201,6 +184,11 @@ class RemoteEngine:
         finally:
             await response.aclose()
         yield state.finish()
+
+    def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Always 0: an OpenAI-compatible server does not say what it holds before a request
+        (``knows_residency`` is False, so the assembler uses its own record instead)."""
+        return 0
 
     def close(self) -> None:
         """Close the sync client (the async one is closed by :meth:`aclose`)."""
@@ -231,7 +219,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, params, cache_salt, stream=False)
         response = self._send(payload, stream=False)
-        return _output(response.json(), ids, start)
+        return output_of(response.json(), ids, start)
 
     def _payload(
         self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None, stream: bool
@@ -243,23 +231,11 @@ class RemoteEngine:
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
+            **params.to_openai(),
         }
-        # vLLM-style extensions only when set: a plain OpenAI server refuses unknown fields.
-        extensions = {
-            "top_k": params.top_k if params.top_k > 0 else None,
-            "min_p": params.min_p or None,
-            "seed": params.seed,
-            "stop": params.stop or None,
-            "stop_token_ids": params.stop_token_ids or None,
-            "ignore_eos": params.ignore_eos or None,
-            "include_stop_str_in_output": params.include_stop_str_in_output or None,
-            "skip_special_tokens": None if params.skip_special_tokens else False,
-            "cache_salt": cache_salt if cache_salt is not None else self.cache_salt,
-        }
-        body.update({k: v for k, v in extensions.items() if v is not None})
+        salt = cache_salt if cache_salt is not None else self.cache_salt
+        if salt is not None:  # a vLLM-style extension, sent only when set
+            body["cache_salt"] = salt
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -323,14 +299,14 @@ class RemoteEngine:
                 response = self._client.send(request, stream=stream)
             except httpx.TransportError as exc:
                 if attempt == self.max_retries:
-                    raise _transport_error(self.base_url, exc) from exc
+                    raise transport_error(self.base_url, exc) from exc
             else:
                 if response.status_code < 400:
                     return response
                 response.read()
                 response.close()
                 if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                    raise _http_error(response)
+                    raise http_error(response)
             time.sleep(self._delay(attempt, response))
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -343,14 +319,14 @@ class RemoteEngine:
                 response = await client.send(request, stream=stream)
             except httpx.TransportError as exc:
                 if attempt == self.max_retries:
-                    raise _transport_error(self.base_url, exc) from exc
+                    raise transport_error(self.base_url, exc) from exc
             else:
                 if response.status_code < 400:
                     return response
                 await response.aread()
                 await response.aclose()
                 if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                    raise _http_error(response)
+                    raise http_error(response)
             await asyncio.sleep(self._delay(attempt, response))
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -378,138 +354,6 @@ class RemoteEngine:
         return delay
 
 
-# -- responses ------------------------------------------------------------------------------
-
-
-class _StreamState:
-    """Turns SSE lines into StreamDeltas; the final delta waits for the usage chunk."""
-
-    def __init__(self, prompt_ids: list[int], start: float) -> None:
-        self.prompt_ids = prompt_ids
-        self.start = start
-        self.first_token_time: float | None = None
-        self.request_id = ""
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.last = StreamDelta("", "", [])
-        self.done = False
-
-    def feed_line(self, line: str) -> StreamDelta | None:
-        if not line.startswith("data:") or self.done:
-            return None
-        data = line[5:].strip()
-        if data == "[DONE]":
-            self.done = True
-            return None
-        try:
-            chunk = json.loads(data)
-        except ValueError as exc:
-            raise RemoteEngineError(f"the server streamed invalid JSON: {data[:200]!r}") from exc
-        if "error" in chunk:
-            raise RemoteEngineError(_error_message(chunk), status_code=_error_status(chunk))
-        self.request_id = chunk.get("id") or self.request_id
-        self.usage = chunk.get("usage") or self.usage
-        if not chunk.get("choices"):
-            return None
-        choice = chunk["choices"][0]
-        self.prompt_ids = choice.get("prompt_token_ids") or self.prompt_ids
-        text, ids = _choice_text(choice), list(choice.get("token_ids") or [])
-        if self.first_token_time is None and (text or ids):
-            self.first_token_time = time.perf_counter()
-        self.text.append(text)
-        self.token_ids.extend(ids)
-        if choice.get("finish_reason") is not None:
-            # Held back: the final delta must carry the output, whose usage comes next.
-            self.finish_reason = choice["finish_reason"]
-            self.last = StreamDelta(self.request_id, text, ids)
-            return None
-        return StreamDelta(self.request_id, text, ids) if text or ids else None
-
-    def finish(self) -> StreamDelta:
-        if self.finish_reason is None:
-            raise RemoteEngineError("the stream ended before a finish_reason")
-        body = {
-            "id": self.request_id,
-            "choices": [
-                {
-                    "text": "".join(self.text),
-                    "finish_reason": self.finish_reason,
-                    "token_ids": self.token_ids,
-                    "prompt_token_ids": self.prompt_ids,
-                }
-            ],
-            "usage": self.usage,
-        }
-        output = _output(body, self.prompt_ids, self.start, self.first_token_time)
-        last = self.last
-        return StreamDelta(last.request_id, last.text, last.token_ids, self.finish_reason, output)
-
-
-def _output(
-    body: dict[str, Any], prompt_ids: list[int], start: float, first_token: float | None = None
-) -> Output:
-    try:
-        choice = body["choices"][0]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise RemoteEngineError(f"the server answered without choices: {str(body)[:200]}") from exc
-    end = time.perf_counter()
-    prompt_ids = list(choice.get("prompt_token_ids") or prompt_ids)
-    token_ids = list(choice.get("token_ids") or [])
-    usage = body.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return Output(
-        request_id=body.get("id") or "",
-        prompt_token_ids=prompt_ids,
-        token_ids=token_ids,
-        text=_choice_text(choice),
-        finish_reason=choice.get("finish_reason") or "stop",
-        usage=RemoteUsage(
-            prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
-            completion_tokens=usage.get("completion_tokens", len(token_ids)),
-            cached_tokens=details.get("cached_tokens"),
-        ),
-        # The queue time is the server's secret; first-token and total are seen from here.
-        timings=Timings(queue_s=math.nan, ttft_s=(first_token or end) - start, total_s=end - start),
-    )
-
-
-def _choice_text(choice: dict[str, Any]) -> str:
-    if "text" in choice:
-        return choice["text"] or ""
-    return ((choice.get("delta") or choice.get("message") or {}).get("content")) or ""
-
-
-def _http_error(response: httpx.Response) -> RemoteEngineError:
-    try:
-        message = _error_message(response.json())
-    except ValueError:
-        message = response.text[:500] or response.reason_phrase
-    return RemoteEngineError(
-        f"{response.request.url} answered {response.status_code}: {message}",
-        status_code=response.status_code,
-    )
-
-
-def _transport_error(base_url: str, exc: httpx.TransportError) -> RemoteEngineError:
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-    return RemoteEngineError(f"request to {base_url} {kind}: {exc!r}")
-
-
-def _error_message(body: Any) -> str:
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error or body)[:500]
-
-
-def _error_status(body: dict[str, Any]) -> int | None:
-    error = body.get("error")
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, int) else None
-
-
 def _is_single(prompts: Any) -> bool:
     if isinstance(prompts, str):
         return True
@@ -530,4 +374,4 @@ def _load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-__all__ = ["RemoteEngine", "RemoteUsage"]
+__all__ = ["RemoteEngine"]

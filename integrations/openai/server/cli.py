@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from ragkv.cache_engine.config import DEFAULTS, DTYPES
 from ragkv.cache_engine.sampling_params import MAX_STOP_STRINGS
 from ragkv.errors import ConfigError, MissingDependencyError
 
@@ -73,14 +74,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="comma-separated Host names to answer (any port); '*' for any "
         "(default: the bind address, localhost, 127.0.0.1, ::1)",
     )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    # Engine flags take their defaults from the one EngineConfig (as `ragkv bench` does).
+    parser.add_argument("--device", default=DEFAULTS.device)
+    parser.add_argument(
+        "--dtype",
+        default=DEFAULTS.dtype,
+        choices=DTYPES,
+        help="auto: the engine's rule (bf16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULTS.kv_cache_tokens)
+    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULTS.kv_cache_bytes)
+    parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
+    parser.add_argument("--max-model-len", type=int, default=DEFAULTS.max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument(
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
@@ -108,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise MissingDependencyError("uvicorn", "server") from exc
     # Imported before the model loads, so a missing fastapi fails in a second, not a minute.
-    from ragkv.cache_engine import Engine
-    from ragkv.integrations.openai_protocol import RequestLimits
-    from ragkv.integrations.server import create_app
+    from ragkv.cache_engine import Engine, EngineConfig
+    from ragkv.integrations.openai.protocol import RequestLimits
+    from ragkv.integrations.openai.server.app import create_app
 
     api_keys = None
     if args.api_keys is not None:
@@ -124,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
         max_stop_strings=args.max_stop_strings,
         max_prompt_tokens=args.max_prompt_tokens,
     )
-    engine = Engine.from_pretrained(
-        args.model,
+    config = EngineConfig(  # validated here, before the model loads
+        model=args.model,
         device=args.device,
         dtype=args.dtype,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -135,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    engine = Engine(config)
     with engine:
         app = create_app(
             engine,

@@ -1,0 +1,64 @@
+"""``EngineLike``: the surface :class:`ragkv.Pipeline`, the framework adapters and the server
+use, written once. :class:`~ragkv.cache_engine.Engine` (in process) and
+:class:`ragkv.integrations.openai.RemoteEngine` (over HTTP) implement it.
+
+It lives in ``cache_engine`` because its records (``Output``, ``StreamDelta``,
+``SamplingParams``) do; ``ragkv`` and ``integrations`` both may import it from here.
+Importing this module loads no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Protocol
+
+from ragkv.cache_engine.outputs import Output, StreamDelta
+from ragkv.cache_engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class EngineLike(Protocol):
+    """What an engine offers its callers.
+
+    ``tokenizer`` is the tokenizer whose ids the engine expects (the assembler tokenizes with
+    it); ``block_size`` the KV block size stable segments are aligned to; ``model_name`` the
+    model id reported in responses.
+    """
+
+    tokenizer: Any
+    block_size: int
+    #: Whether :meth:`cached_prefix_length` observes the cache. When False the assembler
+    #: orders chunks by its own record of what it sent instead of by the engine's answer.
+    knows_residency: bool
+
+    @property
+    def model_name(self) -> str: ...
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: Any = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Output | list[Output]: ...
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> Iterator[StreamDelta]: ...
+
+    async def agenerate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> Output: ...
+
+    def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> AsyncIterator[StreamDelta]: ...
+
+    def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens of ``token_ids`` cached now; 0 when the engine cannot know (a remote
+        server does not say; ``knows_residency`` is then False)."""
+        ...
+
+
+__all__ = ["EngineLike", "Prompt"]

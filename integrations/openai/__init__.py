@@ -1,0 +1,28 @@
+"""ragkv and the OpenAI wire format, as one package.
+
+- :mod:`.protocol`, :mod:`.responses`, :mod:`.schemas`: the request and response shapes
+  (``ragkv serve``'s parsing, bodies and JSON Schemas).
+- :mod:`.client`: :class:`RemoteEngine`, an :class:`~ragkv.cache_engine.engine_like.EngineLike`
+  over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers.
+- :mod:`.server`: ``ragkv serve``, the FastAPI app (``pip install ragkv[server]``).
+
+Names load lazily: ``ragkv --help`` imports the server's CLI module, which must not pull
+in httpx clients or FastAPI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ragkv.integrations.openai.client import RemoteEngine
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteEngine":
+        return importlib.import_module("ragkv.integrations.openai.client").RemoteEngine
+    raise AttributeError(f"module 'ragkv.integrations.openai' has no attribute {name!r}")
+
+
+__all__ = ["RemoteEngine"]

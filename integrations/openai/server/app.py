@@ -1,0 +1,352 @@
+"""``ragkv serve``: one engine behind an OpenAI-compatible HTTP API (FastAPI).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (with the optional
+``ragkv`` extension: retrieved chunks are deduplicated and assembled by a
+:class:`ragkv.Pipeline` on the server), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics``. Every concurrent request goes to the one engine, whose continuous batching
+serves them together and whose prefix cache they all share.
+
+Safety rules (no request can hurt another):
+
+- Tenants: each API key names a tenant (one ``api_key``: tenant ``default``; none: one
+  anonymous tenant). Keys are compared in constant time, against every key, on every route
+  but ``/health``. A request's cache namespace is a digest of its tenant and the client's
+  ``cache_salt`` (which can only subdivide it), so tenants never share a KV block or the
+  RAG pipeline's learned chunk order.
+- Only configured ``Host`` names are answered (421 otherwise: DNS rebinding), and a POST body
+  must be ``application/json`` (415 otherwise: a browser's cross-site form cannot send that).
+- Bodies over ``max_body_bytes`` get 413 before they are parsed; large bodies are decoded
+  and validated on a worker thread, so the event loop keeps serving. Everything is
+  validated before anything is queued: a bad value is a 400 naming its field, RAG chunks
+  are bounded by :class:`~ragkv.integrations.openai.protocol.RequestLimits`.
+- A request that outlives ``request_timeout_s`` is aborted (504); a client that disconnects
+  aborts its request, which frees its KV blocks; every error is an OpenAI-style JSON body,
+  never a traceback, and every stream ends with an error event or ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from ragkv.errors import MissingDependencyError
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+except ImportError as exc:  # pragma: no cover - exercised through server.cli
+    raise MissingDependencyError("fastapi", "server") from exc
+
+from ragkv.assembler.template import render_chat
+from ragkv.cache_engine import Engine
+from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.errors import (
+    ConfigError,
+    InvalidInputError,
+    RagkvError,
+)
+from ragkv.integrations.openai import protocol as proto
+from ragkv.integrations.openai import schemas
+from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
+from ragkv.integrations.openai.server import auth
+from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
+from ragkv.integrations.openai.server.cli import (
+    ANONYMOUS_TENANT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    LOOPBACK_HOSTS,
+)
+from ragkv.integrations.openai.server.errors import (
+    ClientGone,
+    add_error_handlers,
+    internal_error,
+    too_large,
+)
+from ragkv.integrations.openai.server.metrics import CONTENT_TYPE, ServerMetrics
+from ragkv.integrations.openai.server.state import Served
+from ragkv.integrations.openai.server.streaming import generate
+
+logger = logging.getLogger(__name__)
+
+# Bodies up to this size are decoded on the event loop (well under a millisecond); larger
+# ones on a worker thread: a 2.6 MB body decoded inline stalled /health for 0.55 s.
+_INLINE_PARSE_BYTES = 64 << 10
+
+
+def create_app(
+    engine_or_pipeline: Any,
+    *,
+    api_key: str | None = None,
+    api_keys: Mapping[str, str] | None = None,
+    allowed_hosts: Iterable[str] | None = None,
+    limits: RequestLimits | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    model_name: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
+
+    ``api_keys`` maps each API key to its tenant's name; ``api_key`` is the one-tenant case;
+    with neither, every client is one anonymous tenant (a warning is logged).
+    ``allowed_hosts`` are the ``Host`` names answered, with any port (default: localhost,
+    127.0.0.1, ::1; ``"*"``: any). ``limits`` bound each request (default
+    :class:`RequestLimits`, with ``max_prompt_tokens`` from the model context).
+    ``model_name`` is the id clients must send as ``model`` (default: the engine's
+    ``model_name``); requests naming another model get 404. A given pipeline must isolate
+    its learned state per salt (``Pipeline(engine, isolate_by_salt=True)``). The caller owns
+    the engine and closes it; the app never does.
+    """
+    from ragkv.pipeline import Pipeline
+
+    if isinstance(engine_or_pipeline, Pipeline):
+        pipeline, engine = engine_or_pipeline, engine_or_pipeline.engine
+        if not pipeline.isolate_by_salt:
+            raise ConfigError(
+                "the server derives a cache salt per tenant and needs the pipeline's learned "
+                "chunk order kept per salt: pass Pipeline(engine, isolate_by_salt=True)"
+            )
+    else:
+        engine = engine_or_pipeline
+        pipeline = Pipeline(engine, isolate_by_salt=True)
+    if max_body_bytes < 1 or request_timeout_s <= 0:
+        raise InvalidInputError("max_body_bytes and request_timeout_s must be positive")
+    limits = limits or RequestLimits()
+    # What only an in-process engine can tell (context, vocabulary, health, stats); a
+    # pipeline over a RemoteEngine is served without it.
+    local = engine if isinstance(engine, Engine) else None
+    if limits.max_prompt_tokens is None and local is not None:
+        limits = dataclasses.replace(limits, max_prompt_tokens=local.max_model_len - 1)
+    served = Served(
+        engine=engine,
+        local=local,
+        pipeline=pipeline,
+        model_name=model_name or engine.model_name or "ragkv",
+        limits=limits,
+        max_body_bytes=max_body_bytes,
+        request_timeout_s=request_timeout_s,
+        metrics=ServerMetrics(local),
+    )
+    app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ragkv = served
+    _add_routes(app, served, None if local is None else local.runner.vocab_size)
+    add_error_handlers(app)
+    app.add_middleware(
+        Gate,
+        tenants=tenant_keys(api_key, api_keys),
+        allowed_hosts=host_names(LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts),
+        max_body_bytes=max_body_bytes,
+        metrics=served.metrics,
+    )
+    return app
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+
+def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
+    completion_schema, chat_schema = schemas.request_schemas(
+        served.limits,
+        model_name=served.model_name,
+        vocab_size=vocab_size,
+        max_model_len=None if served.local is None else served.local.max_model_len,
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        # 503 lets a supervisor restart a server whose engine died or keeps failing.
+        if served.local is None:  # a remote engine reports no health here
+            return Response(status_code=200)
+        report = served.local.health()
+        if not report.ok:
+            return JSONResponse({"status": "unhealthy", "reason": report.reason}, 503)
+        fields = {f: getattr(report, f) for f in report.__dataclass_fields__}
+        return JSONResponse({"status": "ok", **fields})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "ragkv"}
+        if served.local is not None:
+            card["max_model_len"] = served.local.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions", openapi_extra=_json_body(completion_schema))
+    @_answered_here
+    async def completions(request: Request) -> Response:
+        parsed = await _parse(request, served, proto.parse_completion)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(_tokenize, served.engine, prompt)
+            proto.check_prompt_tokens(len(prompt), served.limits, "prompt")
+        return await generate(request, served, parsed, prompt, chat=False, extra=None)
+
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(chat_schema))
+    @_answered_here
+    async def chat_completions(request: Request) -> Response:
+        parsed = await _parse(request, served, proto.parse_chat)
+        token_ids, extra = await asyncio.to_thread(_chat_prompt, served, parsed)
+        culprit = "messages" if parsed.rag is None else "ragkv.chunks"
+        proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
+        return await generate(request, served, parsed, token_ids, chat=True, extra=extra)
+
+
+def _answered_here(
+    route: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Turn an unexpected exception of ``route`` (a bug, a failed engine step) into a logged
+    500 APIError. Left alone, it reaches Starlette's ServerErrorMiddleware, which re-raises
+    after answering, and uvicorn then closes the keep-alive connection: the client's next
+    request on it, possibly already sent, fails with a connection reset."""
+
+    @functools.wraps(route)
+    async def answered(request: Request) -> Response:
+        try:
+            return await route(request)
+        except (APIError, RagkvError, ClientGone):
+            raise
+        except Exception as exc:
+            logger.exception("unexpected error serving %s", request.url.path)
+            raise internal_error() from exc
+
+    return answered
+
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` of a route that reads its JSON itself (so the schema is
+    documentation and fuzzing input; the parser in protocol.py is the authority)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _parse(
+    request: Request, served: Served, parse: Callable[[Any, RequestLimits], GenerationRequest]
+) -> GenerationRequest:
+    """Read, decode and validate a body (off the loop when large) before anything is queued.
+
+    The returned request's ``cache_salt`` is the tenant's namespace
+    (:func:`~ragkv.integrations.openai.server.auth.tenant_salt`).
+    """
+    raw = await _read_body(request, served.max_body_bytes)
+    if len(raw) > _INLINE_PARSE_BYTES:
+        parsed = await asyncio.to_thread(_decode, raw, parse, served.limits)
+    else:
+        parsed = _decode(raw, parse, served.limits)
+    _check_model(parsed, served)
+    tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
+    parsed.tenant = tenant
+    parsed.cache_salt = auth.tenant_salt(tenant, parsed.cache_salt)
+    return parsed
+
+
+def _decode(
+    raw: bytes, parse: Callable[[Any, RequestLimits], GenerationRequest], limits: RequestLimits
+) -> GenerationRequest:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    bad = proto.find_lone_surrogate(body)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{bad} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+            "send valid Unicode text",
+            param=bad,
+        )
+    parsed = parse(body, limits)
+    _check_sampling(parsed)
+    return parsed
+
+
+def _check_sampling(parsed: GenerationRequest) -> None:
+    """Validate the sampling settings with the engine's own rules, naming the bad field."""
+    fields = dict(parsed.sampling)
+    if parsed.max_tokens is not None:
+        fields["max_tokens"] = parsed.max_tokens
+    try:
+        SamplingParams(**fields).validate()
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param=exc.param or _failing_field(fields)) from exc
+
+
+def _failing_field(fields: dict[str, Any]) -> str | None:
+    # For validation errors that do not carry ``param`` yet: the field that fails on its own.
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value}).validate()
+        except InvalidInputError:
+            return name
+    return None
+
+
+def _check_model(parsed: GenerationRequest, served: Served) -> None:
+    if parsed.model is not None and parsed.model != served.model_name:
+        raise APIError(
+            404,
+            f"model {parsed.model!r} is not served here; this server serves {served.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _tokenize(engine: Any, text: str) -> list[int]:
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _chat_prompt(served: Served, parsed: GenerationRequest) -> tuple[list[int], dict | None]:
+    """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``."""
+    if parsed.rag is None:
+        try:
+            text = render_chat(served.engine.tokenizer, parsed.messages)
+        except Exception as exc:  # jinja raises for messages the template refuses
+            raise APIError(
+                400, f"the chat template rejected messages: {exc}", param="messages"
+            ) from exc
+        return _tokenize(served.engine, text), None
+    messages = parsed.messages
+    if messages[-1]["role"] != "user":
+        raise APIError(
+            400, "with ragkv chunks the last message must be the user's question", param="messages"
+        )
+    system = parsed.rag.system
+    if system is None:
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
+    history = [m for m in messages[:-1] if m["role"] != "system"]
+    prepared = served.pipeline.prepare(
+        messages[-1]["content"],
+        parsed.rag.chunks,
+        system=system,
+        history=history,
+        cache_salt=parsed.cache_salt,
+        # Learned chunk order is the tenant's, whatever salts its clients pick: a client
+        # cycling salts cannot evict other tenants' state.
+        namespace=parsed.tenant,
+    )
+    stats = prepared.dedup.stats
+    extra = {
+        "chunks_in": stats.chunks_in,
+        "chunks_out": stats.chunks_out,
+        "expected_cached_tokens": prepared.plan.expected_cached_tokens,
+    }
+    return list(prepared.plan.token_ids), extra
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    size = 0
+    parts = []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,26 @@
+"""Both engines offer every member of the one ``EngineLike`` protocol (no probing needed)."""
+
+import inspect
+
+import pytest
+
+from ragkv.cache_engine.engine import Engine
+from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.integrations.openai import RemoteEngine
+
+MEMBERS = [name for name in vars(EngineLike) if not name.startswith("_")] + list(
+    EngineLike.__annotations__
+)
+
+
+@pytest.mark.parametrize("engine_class", [Engine, RemoteEngine])
+def test_engines_implement_every_engine_like_member(engine_class):
+    init = inspect.getsource(engine_class.__init__)
+    for name in MEMBERS:
+        assert hasattr(engine_class, name) or f"self.{name} =" in init, name
+
+
+def test_remote_engine_cannot_know_residency():
+    assert Engine.knows_residency and not RemoteEngine.knows_residency
+    remote = RemoteEngine("http://localhost:1/v1", tokenizer=object(), model="m")
+    assert remote.cached_prefix_length([1, 2, 3]) == 0
