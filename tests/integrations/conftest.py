@@ -71,3 +71,14 @@ def wait_until_idle():
             time.sleep(0.025)
 
     return wait
+
+
+@pytest.fixture
+def client(base_url, api_key):
+    """An httpx client of the module's server, authenticated with its key."""
+    import httpx
+
+    with httpx.Client(
+        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as c:
+        yield c

@@ -21,14 +21,6 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-@pytest.fixture
-def client(base_url, api_key):
-    with httpx.Client(
-        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
-    ) as c:
-        yield c
-
-
 def sse_payloads(text: str) -> list:
     """Every ``data:`` payload of an SSE body, checking the framing on the way."""
     events = [e for e in text.split("\n\n") if e]

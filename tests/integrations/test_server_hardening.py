@@ -63,14 +63,6 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-@pytest.fixture
-def client(base_url, api_key):
-    with httpx.Client(
-        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
-    ) as c:
-        yield c
-
-
 def post_raw(client: httpx.Client, path: str, text: str) -> httpx.Response:
     """POST ``text`` as the body verbatim (so a JSON escape like ``\\ud800`` stays an escape)."""
     return client.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
