@@ -8,7 +8,7 @@ import random
 import threading
 
 import pytest
-from support import save_tiny_checkpoint, tiny_config
+from support import tiny_config
 
 from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
 from ragkv.errors import (
@@ -20,17 +20,6 @@ from ragkv.errors import (
     RagkvError,
     UnsupportedModelError,
 )
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=3)
-
-
-@pytest.fixture
-def engine(llama_dir):
-    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as eng:
-        yield eng
 
 
 def ids(seed: int, n: int) -> list[int]:

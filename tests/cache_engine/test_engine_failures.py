@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from support import save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.cache_engine.engine_core import MAX_CONSECUTIVE_STEP_FAILURES
@@ -18,23 +17,12 @@ from ragkv.errors import EngineClosedError, EngineUnhealthyError, InvalidInputEr
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=4)
-
-
-@pytest.fixture
-def engine(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048) as eng:
-        yield eng
-
-
 def ids(seed: int, n: int = 70) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def test_a_failed_step_fails_its_requests_and_never_serves_unwritten_blocks(engine, model_dir):
+def test_a_failed_step_fails_its_requests_and_never_serves_unwritten_blocks(engine, llama_dir):
     real_execute = engine.runner.execute
     calls = {"n": 0}
 
@@ -50,7 +38,7 @@ def test_a_failed_step_fails_its_requests_and_never_serves_unwritten_blocks(engi
     retry = engine.generate(ids(1), PARAMS)
     # The failed step had registered the prompt's full blocks before computing them.
     assert retry.usage.cached_tokens == 0
-    with Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048) as fresh:
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as fresh:
         assert retry.token_ids == fresh.generate(ids(1), PARAMS).token_ids
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
@@ -84,8 +72,8 @@ def test_close_racing_a_submission_raises_instead_of_hanging(engine, monkeypatch
         engine.generate(ids(4), PARAMS)
 
 
-def test_close_fails_requests_in_flight(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048)
+def test_close_fails_requests_in_flight(llama_dir):
+    engine = Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048)
     stream = engine.stream(ids(5), SamplingParams(max_tokens=500, ignore_eos=True))
     next(stream)
     engine.close()
@@ -107,14 +95,14 @@ def in_thread(fn):
     return future
 
 
-def test_a_bad_salt_fails_its_caller_and_a_concurrent_request_is_served_exactly(engine, model_dir):
+def test_a_bad_salt_fails_its_caller_and_a_concurrent_request_is_served_exactly(engine, llama_dir):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     good = in_thread(lambda: engine.generate(ids(6), params))
     with pytest.raises(InvalidInputError) as info:
         engine.generate("x", SamplingParams(max_tokens=1), cache_salt="\ud800")
     assert info.value.param == "cache_salt"
     out = good.result(timeout=TIMEOUT_S)
-    with Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048) as fresh:
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as fresh:
         assert out.token_ids == fresh.generate(ids(6), params).token_ids
     assert engine.health().ok
 
@@ -162,9 +150,9 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
     assert engine.health().ok
 
 
-def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(model_dir, monkeypatch):
+def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(llama_dir, monkeypatch):
     # One request a step, so each failing step fails one request and the rest stay queued.
-    engine = Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048, max_num_seqs=1)
+    engine = Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048, max_num_seqs=1)
     all_queued = threading.Event()
     submit, submitted = engine._submit, []
 
@@ -197,8 +185,8 @@ def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(model_d
             engine.generate(ids(21), PARAMS)
 
 
-def test_health_of_a_working_and_a_closed_engine(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", kv_cache_tokens=2048)
+def test_health_of_a_working_and_a_closed_engine(llama_dir):
+    engine = Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048)
     fresh = engine.health()
     assert fresh.ok and fresh.last_step_age_s is None and not fresh.busy
     engine.generate(ids(22), PARAMS)
