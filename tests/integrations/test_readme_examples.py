@@ -19,12 +19,17 @@ def snippet(heading: str) -> str:
     return blocks[0]
 
 
+def run_snippet(heading: str, framework: str) -> dict:
+    """Execute the README section's python block; returns its namespace."""
+    pytest.importorskip(framework)
+    namespace: dict = {}
+    exec(compile(snippet(heading), f"README.md#{heading.lower()}", "exec"), namespace)
+    return namespace
+
+
 @pytest.mark.slow
 def test_readme_langchain_example_runs(capsys):
-    pytest.importorskip("langchain_core")
-    namespace: dict = {}
-    exec(compile(snippet("LangChain"), "README.md#langchain", "exec"), namespace)
-    out = namespace["out"]
+    out = run_snippet("LangChain", "langchain_core")["out"]
     assert len(out["documents"]) == 2  # three stored passages, one byte-identical copy
     assert len(out["plan"].spans("chunk")) == 2
     assert out["answer"] and out["answer"] in capsys.readouterr().out
@@ -32,10 +37,7 @@ def test_readme_langchain_example_runs(capsys):
 
 @pytest.mark.slow
 def test_readme_llama_index_example_runs(capsys):
-    pytest.importorskip("llama_index.core")
-    namespace: dict = {}
-    exec(compile(snippet("LlamaIndex"), "README.md#llamaindex", "exec"), namespace)
-    response = namespace["response"]
+    response = run_snippet("LlamaIndex", "llama_index.core")["response"]
     assert len(response.source_nodes) == 2
     assert response.metadata["dedup"]["chunks_out"] == 2
     assert str(response) and str(response) in capsys.readouterr().out
