@@ -30,6 +30,7 @@ between the first and the last change moves with them (split the prompt with
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,9 @@ from ragkv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_MAX_SLOTS = 256
+# Memory bound per assembler (one per tenant on a server): at most 64 slots x 8 versions x
+# 16,384 tokens, stored as int32 arrays (32 MiB); larger slots are never split.
+_MAX_SLOTS = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +54,7 @@ class SlotSplit:
 
 @dataclass(slots=True)
 class _Slot:
-    versions: deque[tuple[bytes, tuple[int, ...]]]
+    versions: deque[tuple[bytes, array]]
     novel_streak: int = 0
     settled_streak: int = 0
     changing: bool = False
@@ -69,7 +72,7 @@ class SlotLearner:
         versions: int = 8,
         after: int = 3,
         settle_after: int = 16,
-        max_slot_tokens: int = 65_536,
+        max_slot_tokens: int = 16_384,
     ) -> None:
         if block_size < 1 or versions < 2:
             raise ConfigError("block_size must be >= 1 and versions >= 2.")
@@ -96,7 +99,7 @@ class SlotLearner:
             versions = state.versions
             if len(versions) == versions.maxlen:
                 state.keys.discard(versions[0][0])
-            versions.append((key, tuple(token_ids)))
+            versions.append((key, array("i", token_ids)))
             state.keys.add(key)
         else:
             state.novel_streak, state.settled_streak = 0, state.settled_streak + 1

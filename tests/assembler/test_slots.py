@@ -140,3 +140,17 @@ def test_caller_marked_volatile_system_goes_after_the_chunks(local_tokenizer):
     )
     assert plan.spans(SegmentKind.SYSTEM)[0].start > plan.spans(SegmentKind.CHUNK)[-1].end
     assert plan.stats.invalidators == ()
+
+
+def test_learned_state_is_bounded_in_slots_and_slot_size():
+    from ragkv.assembler.slots import _MAX_SLOTS, SlotLearner
+
+    learner = SlotLearner(block_size=4, max_slot_tokens=32)
+    for i in range(_MAX_SLOTS + 10):
+        learner.observe(f"system[{i}]", b"k", [1, 2, 3])
+    assert len(learner._slots) == _MAX_SLOTS
+    # A slot over max_slot_tokens is never split, however often it changes.
+    splits = [learner.observe("system[0]", bytes([i]), [i] * 33) for i in range(6)]
+    assert splits == [None] * 6
+    small = [learner.observe("system[1]", bytes([i]), [9] * 8 + [i]) for i in range(6)]
+    assert small[-1] is not None and small[-1].head == 8
