@@ -152,5 +152,6 @@ def test_learned_state_is_bounded_in_slots_and_slot_size():
     # A slot over max_slot_tokens is never split, however often it changes.
     splits = [learner.observe("system[0]", bytes([i]), [i] * 33) for i in range(6)]
     assert splits == [None] * 6
-    small = [learner.observe("system[1]", bytes([i]), [9] * 8 + [i]) for i in range(6)]
+    fresh = SlotLearner(block_size=4, max_slot_tokens=32)
+    small = [fresh.observe("system", bytes([i]), [9] * 8 + [i]) for i in range(6)]
     assert small[-1] is not None and small[-1].head == 8
