@@ -28,6 +28,8 @@ requests; only the learning and ordering step (O(chunks + system tokens)) is ser
 from __future__ import annotations
 
 import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
@@ -63,6 +65,7 @@ Residency = Callable[[Sequence[int]], int]
 (``engine.cached_prefix_length``)."""
 
 Turn = Mapping[str, str] | tuple[str, str]
+_MAX_DECODED = 256
 Group = list[Segment]  # segments concatenated directly (the parts of one slot)
 
 
@@ -148,6 +151,7 @@ class Assembler:
         self.never_worse = never_worse
         self.never_worse_slack = block_size if never_worse_slack is None else never_worse_slack
         self._lock = threading.Lock()
+        self._decoded: OrderedDict[bytes, str] = OrderedDict()  # see _decode_stable
         self._settings = {
             "block_size": block_size,
             "order": order,
@@ -436,16 +440,19 @@ class Assembler:
         """``segment`` as (stable parts kept in place, the volatile middle moved)."""
         ids = list(segment.token_ids)
         text = segment.text
-        head = _clean_cut(self.tokenizer, ids, head, text, from_end=False)
-        tail = _clean_cut(self.tokenizer, ids, tail, text, from_end=True)
-        pieces = [(ids[:head], Stability.STATIC), (ids[head : len(ids) - tail], None)]
-        pieces.append((ids[len(ids) - tail :], Stability.STATIC))
+        head, head_text = _clean_cut(self._decode_stable, ids, head, text, from_end=False)
+        tail, tail_text = _clean_cut(self._decode_stable, ids, tail, text, from_end=True)
+        middle_text = text[len(head_text) : len(text) - len(tail_text)]
+        pieces = [
+            (ids[:head], head_text, Stability.STATIC),
+            (ids[head : len(ids) - tail], middle_text, None),
+            (ids[len(ids) - tail :], tail_text, Stability.STATIC),
+        ]
         stay: Group = []
         moved: Group = []
-        for part, stability in pieces:
+        for part, part_text, stability in pieces:
             if not part:
                 continue
-            part_text = self.tokenizer.decode(part)
             key = content_hash(part_text.encode("utf-8", "surrogatepass"), self.registry.hash)
             piece = Segment(
                 segment.kind,
@@ -460,6 +467,16 @@ class Assembler:
             )
             (stay if stability else moved).append(piece)
         return stay, moved
+
+    def _decode_stable(self, ids: list[int]) -> str:
+        """Decode a slot's stable head or tail: the same ids on every request, so memoized."""
+        key = array("i", ids).tobytes()
+        text = self._decoded.get(key)
+        if text is None:
+            text = self._decoded[key] = self.tokenizer.decode(ids)
+            if len(self._decoded) > _MAX_DECODED:
+                self._decoded.popitem(last=False)
+        return text
 
     def _classify_chunks(
         self, chunks: list[Segment], forced: Stability | None, stats: AssemblyStats
@@ -646,21 +663,22 @@ def _head_key(head: list[Group]) -> bytes:
 
 
 def _clean_cut(
-    tokenizer: TextTokenizer, ids: list[int], length: int, text: str, *, from_end: bool
-) -> int:
-    """``length`` shortened (by a few tokens at most) so the cut falls between characters.
+    decode: Callable[[list[int]], str], ids: list[int], length: int, text: str, *, from_end: bool
+) -> tuple[int, str]:
+    """``length`` shortened (by a few tokens at most) so the cut falls between characters,
+    with the text of the cut-off part.
 
     Byte-level BPE can split one UTF-8 character over two tokens; cutting there would make
     the two parts' texts disagree with the whole's.
     """
     for _ in range(4):
         if length == 0:
-            return 0
-        part = tokenizer.decode(ids[len(ids) - length :] if from_end else ids[:length])
+            break
+        part = decode(ids[len(ids) - length :] if from_end else ids[:length])
         if text.endswith(part) if from_end else text.startswith(part):
-            return length
+            return length, part
         length -= 1
-    return 0
+    return 0, ""
 
 
 def _text(value: object, what: str, param: str) -> str:
