@@ -4,6 +4,8 @@
   (``ragkv serve``'s parsing, bodies and JSON Schemas).
 - :mod:`.client`: :class:`RemoteEngine`, an :class:`~ragkv.cache_engine.engine_like.EngineLike`
   over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers.
+- :mod:`.routing`: :class:`ReplicaRouter`, one EngineLike over several replicas, routed by
+  cached prefix (``RemoteEngine.replicas([...])``).
 - :mod:`.server`: ``ragkv serve``, the FastAPI app (``pip install ragkv[server]``).
 
 Names load lazily: ``ragkv --help`` imports the server's CLI module, which must not pull
@@ -17,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ragkv.integrations.openai.client import RemoteEngine
+    from ragkv.integrations.openai.routing import ReplicaRouter
 
 
 def __getattr__(name: str) -> Any:
     if name == "RemoteEngine":
         return importlib.import_module("ragkv.integrations.openai.client").RemoteEngine
+    if name == "ReplicaRouter":
+        return importlib.import_module("ragkv.integrations.openai.routing").ReplicaRouter
     raise AttributeError(f"module 'ragkv.integrations.openai' has no attribute {name!r}")
 
 
-__all__ = ["RemoteEngine"]
+__all__ = ["RemoteEngine", "ReplicaRouter"]

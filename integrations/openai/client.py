@@ -24,7 +24,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -38,6 +38,9 @@ from ragkv.integrations.openai.client_reader import (
     output_of,
     transport_error,
 )
+
+if TYPE_CHECKING:
+    from ragkv.integrations.openai.routing import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,19 @@ class RemoteEngine:
         )
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
+
+    @staticmethod
+    def replicas(
+        urls: Sequence[str], *, tokenizer: Any, routing: str = "prefix", **options: Any
+    ) -> ReplicaRouter:
+        """A :class:`~ragkv.integrations.openai.routing.ReplicaRouter` over one
+        ``RemoteEngine`` per URL, routed by ``routing`` (``prefix``, ``least-loaded``,
+        ``round-robin``). ``options``: RemoteEngine settings (``model``, ``api_key``,
+        ``block_size``, ``cache_salt``, ``timeout_s``) and router settings
+        (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...)."""
+        from ragkv.integrations.openai.routing import ReplicaRouter
+
+        return ReplicaRouter.from_urls(urls, tokenizer=tokenizer, routing=routing, **options)
 
     # -- the Engine surface (EngineLike) ------------------------------------------------------
     knows_residency = False
@@ -189,6 +205,20 @@ class RemoteEngine:
         """Always 0: an OpenAI-compatible server does not say what it holds before a request
         (``knows_residency`` is False, so the assembler uses its own record instead)."""
         return 0
+
+    def check_health(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server answers ``GET /health`` (next to ``/v1``, as vLLM, SGLang and
+        ``ragkv serve`` serve it) or, where that route is missing, ``GET /v1/models``, with a
+        2xx within ``timeout_s``. Never raises; no retries."""
+        root = self.base_url.removesuffix("/v1")
+        for url in (f"{root}/health", f"{self.base_url}/models"):
+            try:
+                response = self._client.get(url, timeout=timeout_s)
+            except httpx.HTTPError:
+                return False
+            if response.status_code != 404:
+                return response.status_code < 300
+        return False
 
     def close(self) -> None:
         """Close the sync client (the async one is closed by :meth:`aclose`)."""

@@ -1,0 +1,15 @@
+"""Cache-aware routing over replicas of one model: :class:`ReplicaRouter`, an
+:class:`~ragkv.cache_engine.engine_like.EngineLike` that sends each request to the replica
+believed to hold its longest prefix (``prefix``), or by ``least-loaded`` / ``round-robin``.
+
+- :mod:`.router`: the router (failover, health, stats);
+- :mod:`.policies`: the ranking rules, pure functions;
+- :mod:`.prefix_index`: the bounded, self-correcting per-replica index of block hashes.
+"""
+
+from __future__ import annotations
+
+from ragkv.integrations.openai.routing.policies import POLICIES
+from ragkv.integrations.openai.routing.router import ReplicaRouter, ReplicaStats, RouterStats
+
+__all__ = ["POLICIES", "ReplicaRouter", "ReplicaStats", "RouterStats"]

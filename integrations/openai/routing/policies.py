@@ -1,0 +1,79 @@
+"""Routing policies: rank the replicas for one request, best first.
+
+Pure functions over small records (no I/O, no locks), so every rule is testable alone. The
+router sends a request to the first replica of the ranking and, when that one fails, to the
+next (failover keeps the policy's order).
+
+- ``round-robin``: replicas in turn, whatever they hold.
+- ``least-loaded``: fewest requests in flight; ties go round-robin.
+- ``prefix`` (default): the replica believed to hold the longest prefix of the prompt (ties:
+  least loaded, then round-robin). A session's previous replica wins when it holds a
+  prefix that agrees (at least half of the best match, and not nothing). When the chosen
+  replica has more than ``balance_threshold`` requests in flight beyond the least loaded
+  one, load wins: the ranking becomes ``least-loaded``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragkv.errors import ConfigError
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One replica as a policy sees it: its position, requests in flight, matched blocks."""
+
+    position: int
+    load: int
+    matched: int = 0
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown routing policy {policy!r}; use one of {', '.join(POLICIES)}")
+    return policy
+
+
+def rank(
+    policy: str,
+    candidates: Sequence[Candidate],
+    *,
+    turn: int,
+    num_replicas: int,
+    balance_threshold: int = 4,
+    session_position: int | None = None,
+) -> list[int]:
+    """Positions of ``candidates`` in the order the request should try them.
+
+    ``turn`` is a counter the router advances per request (the round-robin rotation and the
+    tie-break of the other policies); ``session_position`` the replica that answered the
+    session's previous request, if any.
+    """
+    if not candidates:
+        return []
+
+    def rotation(c: Candidate) -> int:
+        return (c.position - turn) % num_replicas
+
+    if policy == "round-robin":
+        return [c.position for c in sorted(candidates, key=rotation)]
+    by_load = sorted(candidates, key=lambda c: (c.load, rotation(c)))
+    if policy == "least-loaded":
+        return [c.position for c in by_load]
+    if policy != "prefix":
+        check_policy(policy)
+    by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))
+    best = by_prefix[0]
+    session = next((c for c in candidates if c.position == session_position), None)
+    if session is not None and session.matched > 0 and 2 * session.matched >= best.matched:
+        best = session
+    if best.load - by_load[0].load > balance_threshold:
+        return [c.position for c in by_load]
+    return [best.position] + [c.position for c in by_prefix if c is not best]
+
+
+__all__ = ["POLICIES", "Candidate", "check_policy", "rank"]

@@ -1,0 +1,365 @@
+"""ReplicaRouter policies, index, failover and streaming, over scripted in-memory replicas.
+
+A ``ScriptedReplica`` is an EngineLike with a real (tiny) LRU prefix cache of block hashes,
+so ``usage.cached_tokens`` is what a replica with that pool would report; failures are
+switched on per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import pytest
+
+from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
+from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
+from ragkv.errors import EngineClosedError, InvalidInputError, RemoteEngineError
+from ragkv.integrations.openai.routing import ReplicaRouter
+from ragkv.integrations.openai.routing.policies import Candidate, rank
+from ragkv.integrations.openai.routing.prefix_index import PrefixIndex
+
+BS = 4
+
+
+class ScriptedReplica:
+    """An EngineLike whose prefix cache is an LRU set of ``pool_blocks`` block hashes."""
+
+    tokenizer = None
+    block_size = BS
+    knows_residency = False
+    model_name = "scripted"
+
+    def __init__(self, name: str, pool_blocks: int = 1000) -> None:
+        self.name = name
+        self.pool_blocks = pool_blocks
+        self.held: OrderedDict[bytes, None] = OrderedDict()
+        self.calls = 0
+        self.fail: BaseException | None = None
+        self.fail_after_deltas: int | None = None  # streams: raise after this many deltas
+        self.healthy_probe = True
+
+    def _run(self, prompt, cache_salt) -> Output:
+        self.calls += 1
+        if self.fail is not None:
+            raise self.fail
+        salt = digest_salt(cache_salt) if cache_salt is not None else None
+        hashes = BlockHasher(BS, salt_digest=salt).extend(list(prompt))
+        cap = (len(prompt) - 1) // BS
+        hit = 0
+        while hit < min(len(hashes), cap) and hashes[hit] in self.held:
+            hit += 1
+        for h in hashes:
+            self.held[h] = None
+            self.held.move_to_end(h)
+        while len(self.held) > self.pool_blocks:
+            self.held.popitem(last=False)
+        usage = Usage(len(prompt), 2, hit * BS)
+        return Output(self.name, list(prompt), [1, 2], "ok", "stop", usage, Timings(0, 0, 0))
+
+    def generate(self, prompt, params=None, *, cache_salt=None):
+        return self._run(prompt, cache_salt)
+
+    async def agenerate(self, prompt, params=None, *, cache_salt=None):
+        return self._run(prompt, cache_salt)
+
+    def stream(self, prompt, params=None, *, cache_salt=None):
+        if self.fail is not None and self.fail_after_deltas is None:
+            self.calls += 1
+            raise self.fail
+        output = self._run(prompt, cache_salt)
+        for i in range(3):
+            if self.fail_after_deltas is not None and i == self.fail_after_deltas:
+                raise RemoteEngineError(f"{self.name} broke mid-stream")
+            yield StreamDelta(self.name, "x", [i])
+        yield StreamDelta(self.name, "", [], "stop", output)
+
+    async def astream(self, prompt, params=None, *, cache_salt=None):
+        for delta in self.stream(prompt, params, cache_salt=cache_salt):
+            yield delta
+
+    def check_health(self, timeout_s: float = 2.0) -> bool:
+        return self.healthy_probe
+
+
+def doc(seed: int, blocks: int = 6) -> list[int]:
+    return [1000 * seed + i for i in range(blocks * BS)]
+
+
+def ask(router, document, question: int, **kwargs) -> Output:
+    return router.generate(document + [question, question + 1, question + 2], **kwargs)
+
+
+def served_by(output: Output) -> str:
+    return output.request_id
+
+
+# -- policies (pure) ---------------------------------------------------------------------
+
+
+def test_prefix_policy_prefers_longest_match_then_falls_back_to_load():
+    cands = [Candidate(0, load=0, matched=0), Candidate(1, load=3, matched=5)]
+    assert rank("prefix", cands, turn=0, num_replicas=2, balance_threshold=4)[0] == 1
+    assert rank("prefix", cands, turn=0, num_replicas=2, balance_threshold=2)[0] == 0
+
+
+def test_round_robin_and_least_loaded_rotate_ties():
+    cands = [Candidate(i, load=0) for i in range(3)]
+    assert [rank("round-robin", cands, turn=t, num_replicas=3)[0] for t in range(4)] == [
+        0,
+        1,
+        2,
+        0,
+    ]
+    loaded = [Candidate(0, 2), Candidate(1, 0), Candidate(2, 1)]
+    assert rank("least-loaded", loaded, turn=0, num_replicas=3) == [1, 2, 0]
+
+
+# -- prefix affinity, balance, sessions ----------------------------------------------------
+
+
+def test_shared_prefix_requests_land_on_one_replica_and_reuse_it():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(3)]
+    router = ReplicaRouter(replicas)
+    first = {d: served_by(ask(router, doc(d), 1)) for d in range(3)}
+    assert len(set(first.values())) == 3  # cold documents spread (least loaded, rotated)
+    for q in range(2, 8):
+        for d in range(3):
+            out = ask(router, doc(d), q)
+            assert served_by(out) == first[d]
+            assert out.usage.cached_tokens == 6 * BS
+    s = router.stats()
+    assert [r.succeeded for r in s.replicas] == [7, 7, 7]
+    assert s.replicas[0].predicted_cached_tokens == s.replicas[0].reported_cached_tokens > 0
+
+
+def test_round_robin_spreads_a_document_over_every_replica():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(3)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    assert {served_by(ask(router, doc(0), q)) for q in range(3)} == {"r0", "r1", "r2"}
+
+
+def test_balance_threshold_overrides_affinity():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, balance_threshold=1)
+    home = served_by(ask(router, doc(0), 1))
+    other = ({"r0", "r1"} - {home}).pop()
+    # Requests "in flight" on the document's home replica (simulated): one more than the
+    # other replica is within the threshold, two is past it.
+    router._replicas[int(home[1])].stats.in_flight = 1
+    assert served_by(ask(router, doc(0), 2)) == home
+    router._replicas[int(home[1])].stats.in_flight = 2
+    assert served_by(ask(router, doc(0), 3)) == other
+
+
+def test_a_session_follow_up_prefers_its_previous_replica():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas)
+    # The document is on both replicas (equal match): without a session, load/rotation picks.
+    ask(router, doc(0), 1)
+    ask(router, doc(0) + [0] * 0, 1)
+    for r in router._replicas:
+        r.index.insert(BlockHasher(BS).extend(doc(0)), confirmed=True)
+    with router.session("alice"):
+        home = served_by(ask(router, doc(0), 2))
+        assert {served_by(ask(router, doc(0), q)) for q in range(3, 9)} == {home}
+    # The same calls without the session alternate between the tied replicas.
+    assert len({served_by(ask(router, doc(0), q)) for q in range(9, 13)}) == 2
+    # A session whose prefix no longer agrees (another document) routes by prefix.
+    other = served_by(ask(router, doc(5), 1))
+    assert served_by(ask(router, doc(5), 2, session_id="alice")) == other
+
+
+def test_salted_prefixes_never_steer_another_salts_routing():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas)
+    home = served_by(ask(router, doc(0), 1, cache_salt="tenant-a"))
+    for q in range(2, 5):
+        assert served_by(ask(router, doc(0), q, cache_salt="tenant-a")) == home
+    assert router.cached_prefix_length(doc(0) + [1], cache_salt="tenant-a") == 6 * BS
+    assert router.cached_prefix_length(doc(0) + [1], cache_salt="tenant-b") == 0
+    assert router.cached_prefix_length(doc(0) + [1]) == 0
+    # tenant-b's first request is placed by load, not by tenant-a's prefix.
+    router._replicas[int(home[1])].stats.in_flight = 1
+    out = ask(router, doc(0), 9, cache_salt="tenant-b")
+    assert served_by(out) != home and out.usage.cached_tokens == 0
+
+
+# -- the index: bounded and self-correcting ----------------------------------------------------
+
+
+def test_index_is_bounded_lru():
+    index = PrefixIndex(capacity=8)
+    for d in range(5):
+        index.insert(BlockHasher(BS).extend(doc(d)), confirmed=True)
+    assert len(index) == 8
+    assert index.match(BlockHasher(BS).extend(doc(4))) == 6
+    assert index.match(BlockHasher(BS).extend(doc(0))) == 0
+
+
+def test_router_index_follows_the_replica_pool_bound():
+    replicas = [ScriptedReplica("r0", pool_blocks=12)]
+    router = ReplicaRouter(replicas, index_blocks=12)
+    for d in range(10):
+        ask(router, doc(d), 1)
+    assert router.stats().replicas[0].index_blocks <= 12
+
+
+def test_index_corrects_itself_when_the_replica_held_less():
+    replica = ScriptedReplica("r0", pool_blocks=1000)
+    router = ReplicaRouter([replica], index_blocks=1000)  # the index thinks the pool is big
+    for d in range(3):
+        ask(router, doc(d), 1)
+    replica.held.clear()  # the replica evicted everything (restart, other clients, ...)
+    out = ask(router, doc(2), 2)
+    assert out.usage.cached_tokens == 0
+    s = router.stats().replicas[0]
+    assert s.corrections == 1
+    assert s.predicted_cached_tokens - s.reported_cached_tokens == 6 * BS
+    # Documents 0 and 1 were used before the evicted document 2: dropped with it.
+    assert router.cached_prefix_length(doc(0) + [1]) == 0
+    assert router.cached_prefix_length(doc(1) + [1]) == 0
+    # What the replica holds after the request is recorded again.
+    assert router.cached_prefix_length(doc(2) + [1]) == 6 * BS
+
+
+def test_a_race_on_a_tentative_entry_is_not_taken_for_eviction():
+    index = PrefixIndex(capacity=100)
+    old = BlockHasher(BS).extend(doc(0))
+    new = BlockHasher(BS).extend(doc(1))
+    index.insert(old, confirmed=True)
+    index.insert(new, confirmed=False)  # sent, not answered yet
+    assert index.correct(new, 0, 6) == 0
+    assert index.match(old) == 6 and index.match(new) == 6
+
+
+# -- failover and recovery ---------------------------------------------------------------------
+
+
+def test_failover_moves_the_request_and_backoff_brings_the_replica_back():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, backoff_s=0.05, max_backoff_s=0.05)
+    home = served_by(ask(router, doc(0), 1))
+    down = replicas[int(home[1])]
+    down.fail = RemoteEngineError("connection refused")  # no status: a transport error
+    out = ask(router, doc(0), 2)
+    assert served_by(out) != home
+    s = router.stats()
+    assert s.replicas[int(home[1])].healthy is False
+    assert s.replicas[int(home[1])].failovers == 1 and s.failovers == 1
+    calls = down.calls
+    ask(router, doc(0), 3)  # within the backoff: not tried
+    assert down.calls == calls
+    down.fail = None
+    down.healthy_probe = False
+    time.sleep(0.06)
+    ask(router, doc(7), 1)  # the probe fails: still down
+    assert router.stats().replicas[int(home[1])].healthy is False
+    down.healthy_probe = True
+    time.sleep(0.06)
+    assert router.check_health()[int(home[1])] is True
+    # It came back empty (index forgotten): new documents reach it again.
+    assert {served_by(ask(router, doc(d), 1)) for d in range(10, 14)} == {"r0", "r1"}
+
+
+def test_5xx_fails_over_but_4xx_is_the_requests_own_error():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail = RemoteEngineError("bad request", status_code=400)
+    with pytest.raises(RemoteEngineError) as info:
+        ask(router, doc(0), 1)
+    assert info.value.status_code == 400 and replicas[1].calls == 0
+    assert router.stats().replicas[0].healthy is True
+    replicas[0].fail = RemoteEngineError("overloaded", status_code=503)
+    assert served_by(ask(router, doc(0), 2)) == "r1"
+
+
+def test_in_process_engine_failures_count_as_replica_failures():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail = EngineClosedError("closed")
+    assert served_by(ask(router, doc(0), 1)) == "r1"
+
+
+def test_all_replicas_down_raises_with_the_last_error():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, backoff_s=30, max_backoff_s=30)
+    for r in replicas:
+        r.fail = RemoteEngineError("down", status_code=502)
+    with pytest.raises(RemoteEngineError, match="no replica could answer") as info:
+        ask(router, doc(0), 1)
+    assert info.value.status_code == 502
+    assert sum(r.calls for r in replicas) == 2
+    with pytest.raises(RemoteEngineError, match="no replica"):
+        ask(router, doc(0), 2)
+    assert sum(r.calls for r in replicas) == 2  # both in backoff: nothing sent
+
+
+def test_async_generate_fails_over_too():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail = RemoteEngineError("down")
+    out = asyncio.run(router.agenerate(doc(0) + [1]))
+    assert served_by(out) == "r1"
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+def test_a_stream_fails_over_before_its_first_delta():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail = RemoteEngineError("refused")
+    deltas = list(router.stream(doc(0) + [1]))
+    assert deltas[-1].output is not None and deltas[-1].output.request_id == "r1"
+    assert router.stats().replicas[1].succeeded == 1
+
+
+def test_a_stream_is_never_resent_after_its_first_delta():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail_after_deltas = 1
+    seen = []
+    with pytest.raises(RemoteEngineError, match="mid-stream"):
+        for delta in router.stream(doc(0) + [1]):
+            seen.append(delta)
+    assert len(seen) == 1
+    assert replicas[1].calls == 0
+    s = router.stats()
+    assert s.replicas[0].healthy is False and s.replicas[0].in_flight == 0
+    assert s.failovers == 0
+
+
+def test_async_stream_never_resent_after_its_first_delta():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin")
+    replicas[0].fail_after_deltas = 2
+
+    async def consume():
+        seen = []
+        with pytest.raises(RemoteEngineError):
+            async for delta in router.astream(doc(0) + [1]):
+                seen.append(delta)
+        return seen
+
+    assert len(asyncio.run(consume())) == 2
+    assert replicas[1].calls == 0
+
+
+def test_closing_a_stream_early_releases_its_replica():
+    replicas = [ScriptedReplica("r0")]
+    router = ReplicaRouter(replicas)
+    stream = router.stream(doc(0) + [1])
+    next(stream)
+    stream.close()
+    assert router.stats().replicas[0].in_flight == 0
+
+
+def test_inputs_are_checked_in_the_callers_thread():
+    router = ReplicaRouter([ScriptedReplica("r0")])
+    with pytest.raises(InvalidInputError):
+        router.stream([])
+    with pytest.raises(InvalidInputError):
+        router.generate([1, 2, 3], cache_salt=123)
+    assert router._replicas[0].engine.calls == 0
