@@ -70,6 +70,26 @@ def add_parser(subparsers: Any) -> None:
     w = p.add_argument_group("production workload (--requests, --top-k, --seed also apply)")
     w.add_argument("--passages", type=int, help="distinct passages in the pool (2 per request)")
     w.add_argument("--duplicate-rate", type=float, default=0.05)
+    r = p.add_argument_group("replica lanes (cache-aware routing, see README 'Routing')")
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="N >= 2: instead of the four lanes, run N in-process replicas (1/N of the pool "
+        "each) behind the router, one lane per --routing policy, plus one engine holding "
+        "the whole pool",
+    )
+    r.add_argument(
+        "--routing",
+        default="round-robin,least-loaded,prefix",
+        help="comma-separated routing policies for --replicas",
+    )
+    r.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=4,
+        help="prefix routing yields to least-loaded past this many extra requests in flight",
+    )
     t = p.add_argument_group("trace workload")
     t.add_argument("--trace", help="JSONL file, one request per line (segment ids by role)")
     t.add_argument("--lengths", help="JSON object {segment id: token length}")
@@ -136,6 +156,8 @@ def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.runner import BenchConfig, run_bench
 
     workload = build_workload(args)
+    if args.replicas:
+        return _run_replicas(args, workload)
     config = BenchConfig(
         model=args.model,
         device=args.device,
@@ -157,6 +179,33 @@ def _run(args: argparse.Namespace) -> int:
             write_json(report, args.json)
     if args.plot:
         plot(report, results, args.plot)
+    return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
+
+
+def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
+    from ragkv.bench.replicas import format_replica_table, run_replica_bench
+    from ragkv.bench.report import write_json
+    from ragkv.bench.runner import BenchConfig
+
+    config = BenchConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        order=args.order,
+        progress=not args.no_progress,
+    )
+    policies = [name.strip() for name in args.routing.split(",") if name.strip()]
+    report, _ = run_replica_bench(workload, config, args.replicas, policies, args.balance_threshold)
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_replica_table(report))
+        if args.json:
+            write_json(report, args.json)
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
 
 

@@ -1,0 +1,264 @@
+"""Replica lanes of ``ragkv bench --replicas N --routing POLICY[,POLICY...]``.
+
+One lane per routing policy: the workload through ``N`` in-process engines, each with 1/N of
+the KV pool, behind :class:`~ragkv.integrations.openai.routing.ReplicaRouter` (the router
+code that fronts ``ragkv serve``, vLLM or SGLang replicas over HTTP; in process here so the
+bench fits one small machine, and so every replica's prefill tokens are counted exactly).
+Plus one reference lane, ``1x whole pool``: one engine holding the whole pool, behind a
+one-replica router. Every lane runs the ``ragkv`` lane's pipeline (dedup + assembler), and
+the router answers ``knows_residency=False`` in all of them, so the assembler orders chunks
+the same way everywhere; the lanes differ only in where requests run.
+
+The engines do not share weights: each replica loads the model (N x its memory).
+
+This module is the bench's one reach into ``integrations/`` (the router lives there, next
+to the HTTP client it fronts); the import is lazy, inside :func:`run_replica_bench`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from ragkv.bench.lanes import LaneResult, LaneSpec, lane_specs, run_lane
+from ragkv.bench.report import determinism, lane_summary, machine_info
+from ragkv.bench.runner import BenchConfig, model_path, profile_workload, resolve_dtype
+from ragkv.bench.workload import Workload
+from ragkv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "1x whole pool"
+# The issue's targets for the prefix lane: cached tokens vs round-robin (at least) and vs
+# one replica holding the whole pool (at least), request imbalance (at most).
+TARGETS = {"prefix_vs_round_robin": 1.5, "prefix_vs_whole_pool": 0.85, "imbalance": 1.5}
+
+
+class RouterLane:
+    """A lane's engine: the router (the EngineLike the pipeline uses) and its engines."""
+
+    def __init__(self, router: Any, engines: Sequence[Any]) -> None:
+        self.router = router
+        self.engines = list(engines)
+        self.tokenizer = router.tokenizer
+        self.block_size = router.block_size
+        self.knows_residency = router.knows_residency
+        self.kv_cache_tokens = sum(e.kv_cache_tokens for e in engines)
+
+    def __getattr__(self, name: str) -> Any:  # generate, agenerate, stream, astream, ...
+        return getattr(self.router, name)
+
+    def stats(self) -> Any:
+        """The engines' counters summed, with the router's per-replica stats as ``router``."""
+        parts = [e.stats() for e in self.engines]
+        total = {
+            key: sum(getattr(p, key) for p in parts)
+            for key in (
+                "prompt_tokens",
+                "prefill_tokens_computed",
+                "prefill_tokens_reused",
+                "preemptions",
+                "evictions",
+                "num_blocks",
+                "peak_used_blocks",
+            )
+        }
+        return SimpleNamespace(**total, router=self.router.stats())
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+def routing_lanes(policies: Sequence[str], replicas: int) -> list[str]:
+    """Lane names: the whole-pool reference, then one per policy."""
+    from ragkv.integrations.openai.routing import POLICIES
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ConfigError(f"unknown routing policy {unknown}; choose from {', '.join(POLICIES)}")
+    if replicas < 2:
+        raise ConfigError(f"--replicas must be >= 2, got {replicas}")
+    return [REFERENCE] + [f"{p} x{replicas}" for p in policies]
+
+
+def run_replica_bench(
+    workload: Workload,
+    config: BenchConfig,
+    replicas: int,
+    policies: Sequence[str],
+    balance_threshold: int = 4,
+) -> tuple[dict[str, Any], list[LaneResult]]:
+    """The reference lane and one lane per policy; returns (report, results)."""
+    from transformers import AutoTokenizer
+
+    from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
+    from ragkv.integrations.openai.routing import ReplicaRouter
+
+    names = routing_lanes(policies, replicas)
+    path = model_path(config.model)
+    dtype = resolve_dtype(config.dtype, config.device)
+    bs = config.block_size
+    profile = profile_workload(
+        workload, AutoTokenizer.from_pretrained(path), bs, config.max_tokens, config.order
+    )
+    whole = config.kv_cache_tokens or profile.kv_tokens(bs)
+    per_replica = whole // replicas // bs * bs
+    floor = -(-profile.largest // bs) * bs + bs
+    if per_replica < floor:
+        logger.warning(
+            "1/%d of the pool (%d tokens) cannot hold the largest request; using %d per replica",
+            replicas,
+            per_replica,
+            floor,
+        )
+        per_replica = floor
+    base = EngineConfig(
+        model=path,
+        device=config.device,
+        dtype=dtype,
+        block_size=bs,
+        max_num_seqs=max(config.concurrency, 1),
+    )
+    model_name = [""]
+
+    def make_engine(spec: LaneSpec) -> RouterLane:
+        if spec.name == REFERENCE:
+            engines = [Engine(base.replace(kv_cache_tokens=whole))]
+            policy = "prefix"
+        else:
+            engines = [Engine(base.replace(kv_cache_tokens=per_replica)) for _ in range(replicas)]
+            policy = spec.name.split(" ")[0]
+        model_name[0] = engines[0].model_name
+        router = ReplicaRouter(
+            engines,
+            policy=policy,
+            balance_threshold=balance_threshold,
+            names=[f"replica-{i}" for i in range(len(engines))],
+        )
+        return RouterLane(router, engines)
+
+    pipeline_spec = lane_specs(["ragkv"], config.order)[0]
+    params = SamplingParams(max_tokens=config.max_tokens)
+    results = [
+        run_lane(
+            dataclasses.replace(pipeline_spec, name=name),
+            workload,
+            make_engine,
+            params,
+            concurrency=config.concurrency,
+            progress=config.progress,
+            keep_answers=config.keep_answers,
+        )
+        for name in names
+    ]
+    machine = machine_info(
+        {
+            "model": model_name[0],
+            "device": config.device,
+            "dtype": dtype,
+            "kv_cache_tokens": whole,
+            "kv_cache_tokens_per_replica": per_replica,
+            "replicas": replicas,
+            "balance_threshold": balance_threshold,
+            "block_size": bs,
+            "max_tokens": config.max_tokens,
+            "concurrency": config.concurrency,
+            "order": config.order,
+        }
+    )
+    lanes = {r.spec.name: replica_summary(r) for r in results}
+    strict = dtype in ("float32", "fp32") or config.concurrency == 1
+    report = {
+        "lanes": lanes,
+        "workload": workload.params,
+        "machine": machine,
+        "determinism": determinism(results, strict=strict),
+        "ratios": routing_ratios(lanes, replicas),
+    }
+    return report, results
+
+
+def replica_summary(result: LaneResult) -> dict[str, Any]:
+    """The bench's lane numbers plus the router's: requests per replica, imbalance."""
+    summary = lane_summary(result)
+    router = result.stats.router
+    summary.update(
+        routing=router.policy,
+        replica_requests=[r.succeeded for r in router.replicas],
+        imbalance=router.imbalance,
+        failovers=router.failovers,
+        predicted_cached_tokens=sum(r.predicted_cached_tokens for r in router.replicas),
+        reported_cached_tokens=sum(r.reported_cached_tokens for r in router.replicas),
+    )
+    return summary
+
+
+def routing_ratios(lanes: dict[str, dict[str, Any]], replicas: int) -> dict[str, Any]:
+    """Cached tokens of the prefix lane vs round-robin and vs the whole pool; its imbalance."""
+    out: dict[str, Any] = {}
+    prefix = lanes.get(f"prefix x{replicas}")
+    if prefix is None:
+        return out
+    for key, base in (
+        ("prefix_vs_round_robin", lanes.get(f"round-robin x{replicas}")),
+        ("prefix_vs_whole_pool", lanes.get(REFERENCE)),
+    ):
+        if base is not None and base["cached_tokens"]:
+            out[key] = prefix["cached_tokens"] / base["cached_tokens"]
+    out["imbalance"] = prefix["imbalance"]
+    out["targets_met"] = {
+        key: (out[key] <= limit if key == "imbalance" else out[key] >= limit)
+        for key, limit in TARGETS.items()
+        if key in out
+    }
+    return out
+
+
+_COLUMNS = (
+    ("lane", "{}", None),
+    ("prompt tok", "{:,}", "prompt_tokens"),
+    ("prefill tok", "{:,}", "prefill_tokens_computed"),
+    ("cached tok", "{:,}", "cached_tokens"),
+    ("hit", "{:.0%}", "hit_rate"),
+    ("requests/replica", "{}", "replica_requests"),
+    ("imbalance", "{:.2f}", "imbalance"),
+    ("TTFT p50", "{:.3f}s", "ttft_p50_s"),
+    ("evict", "{}", "evictions"),
+    ("wall", "{:.1f}s", "wall_s"),
+)
+
+
+def format_replica_table(report: dict[str, Any]) -> str:
+    """The replica lanes' table, the prefix lane's ratios and the determinism line."""
+    rows = [[title for title, _, _ in _COLUMNS]]
+    for name, lane in report["lanes"].items():
+        cells = [name]
+        for _, fmt, key in _COLUMNS[1:]:
+            value = lane[key]
+            cells.append(
+                "/".join(map(str, value)) if isinstance(value, list) else fmt.format(value)
+            )
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    r = report["ratios"]
+    parts = [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in r.items() if isinstance(v, float)]
+    if parts:
+        lines.append("prefix routing  " + "; ".join(parts) + f"  targets met: {r['targets_met']}")
+    d = report["determinism"]
+    lines.append(
+        f"determinism: {d['identical_prompt_pairs']} identical-prompt pairs across lanes, "
+        f"{d['mismatches']} mismatches ({'ok' if d['ok'] else 'MISMATCH'})"
+    )
+    return "\n".join(lines)
