@@ -7,10 +7,14 @@ next (failover keeps the policy's order).
 - ``round-robin``: replicas in turn, whatever they hold.
 - ``least-loaded``: fewest requests in flight; ties go round-robin.
 - ``prefix`` (default): the replica believed to hold the longest prefix of the prompt (ties:
-  least loaded, then round-robin). A session's previous replica wins when it holds a
-  prefix that agrees (at least half of the best match, and not nothing). When the chosen
-  replica has more than ``balance_threshold`` requests in flight beyond the least loaded
-  one, load wins: the ranking becomes ``least-loaded``'s.
+  least loaded, then round-robin), when that prefix is worth following: it must exceed
+  what *every* candidate holds (a system prompt all replicas share says nothing) by at
+  least ``match_threshold`` of the prompt's blocks. Otherwise the request is new to all of
+  them and is *spread*: least loaded, then the replica whose index holds least (most room;
+  SGLang's "smallest tree"), then round-robin. A session's previous replica wins when it
+  holds a prefix that agrees (at least ``match_threshold`` of the prompt and half of the
+  best match). When the chosen replica has more than ``balance_threshold`` requests in
+  flight beyond the least loaded one, load wins: the ranking becomes the spread order.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One replica as a policy sees it: its position, requests in flight, matched blocks."""
+    """One replica as a policy sees it: its position, requests in flight, matched blocks and
+    the size of its index (blocks)."""
 
     position: int
     load: int
     matched: int = 0
+    size: int = 0
 
 
 def check_policy(policy: str) -> str:
@@ -45,13 +51,15 @@ def rank(
     turn: int,
     num_replicas: int,
     balance_threshold: int = 4,
+    match_threshold: float = 0.25,
+    total_blocks: int = 0,
     session_position: int | None = None,
 ) -> list[int]:
     """Positions of ``candidates`` in the order the request should try them.
 
     ``turn`` is a counter the router advances per request (the round-robin rotation and the
-    tie-break of the other policies); ``session_position`` the replica that answered the
-    session's previous request, if any.
+    tie-break of the other policies); ``total_blocks`` the prompt's full blocks;
+    ``session_position`` the replica that answered the session's previous request, if any.
     """
     if not candidates:
         return []
@@ -66,13 +74,17 @@ def rank(
         return [c.position for c in by_load]
     if policy != "prefix":
         check_policy(policy)
+    spread = [c.position for c in sorted(candidates, key=lambda c: (c.load, c.size, rotation(c)))]
     by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))
     best = by_prefix[0]
+    needed = max(match_threshold * total_blocks, 1)
     session = next((c for c in candidates if c.position == session_position), None)
-    if session is not None and session.matched > 0 and 2 * session.matched >= best.matched:
+    if session is not None and session.matched >= needed and 2 * session.matched >= best.matched:
         best = session
+    elif best.matched - min(c.matched for c in candidates) < needed:
+        return spread
     if best.load - by_load[0].load > balance_threshold:
-        return [c.position for c in by_load]
+        return spread
     return [best.position] + [c.position for c in by_prefix if c is not best]
 
 

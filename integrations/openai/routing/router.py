@@ -141,7 +141,9 @@ class ReplicaRouter:
     block size (one :class:`~ragkv.integrations.openai.RemoteEngine` per server, built by
     :meth:`from_urls`, or in-process engines). ``policy``: ``prefix`` (default),
     ``least-loaded`` or ``round-robin`` (see :mod:`.policies`). ``balance_threshold``: how
-    many more requests in flight than the least loaded replica the prefix choice may have.
+    many more requests in flight than the least loaded replica the prefix choice may have;
+    ``match_threshold``: the share of the prompt's blocks by which a replica's match must
+    exceed every replica's before it is followed (below it, the request is spread by load).
     ``index_blocks``: the per-replica index bound in blocks (one int or one per replica;
     default: an in-process engine's pool, else ``DEFAULT_INDEX_BLOCKS``). ``backoff_s`` /
     ``max_backoff_s``: how long a failed replica is skipped (doubling per consecutive
@@ -160,6 +162,7 @@ class ReplicaRouter:
         policy: str = "prefix",
         names: Sequence[str] | None = None,
         balance_threshold: int = 4,
+        match_threshold: float = 0.25,
         index_blocks: int | Sequence[int] | None = None,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
@@ -172,6 +175,8 @@ class ReplicaRouter:
         sizes = {r.block_size for r in replicas}
         if len(sizes) != 1:
             raise ConfigError(f"replicas must share one block size, got {sorted(sizes)}")
+        if not 0 <= match_threshold <= 1:
+            raise ConfigError(f"match_threshold must be in [0, 1], got {match_threshold}")
         if balance_threshold < 0 or backoff_s < 0 or max_backoff_s < backoff_s:
             raise ConfigError("need balance_threshold >= 0 and 0 <= backoff_s <= max_backoff_s")
         if max_attempts is not None and max_attempts < 1:
@@ -182,6 +187,7 @@ class ReplicaRouter:
         self.tokenizer = replicas[0].tokenizer
         self.block_size = replicas[0].block_size
         self.balance_threshold = balance_threshold
+        self.match_threshold = match_threshold
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_attempts = max_attempts or len(replicas)
@@ -400,7 +406,7 @@ class ReplicaRouter:
             raise _exhausted(route, self.max_attempts)
         with self._lock:
             candidates = [
-                Candidate(r.position, r.stats.in_flight, r.index.match(route.hashes))
+                Candidate(r.position, r.stats.in_flight, r.index.match(route.hashes), len(r.index))
                 for r in self._replicas
                 if r.position not in route.tried and r.stats.healthy
             ]
@@ -411,6 +417,8 @@ class ReplicaRouter:
                 turn=self._turn,
                 num_replicas=len(self._replicas),
                 balance_threshold=self.balance_threshold,
+                match_threshold=self.match_threshold,
+                total_blocks=len(route.hashes),
                 session_position=session,
             )
             if not order:
