@@ -464,8 +464,10 @@ class ReplicaRouter:
                 self._mark_down(replica)
             if kind is None:
                 raise exc
+            now = time.monotonic()
             moving_on = len(route.tried) < self.max_attempts and any(
-                r.position not in route.tried for r in self._replicas
+                r.position not in route.tried and (r.stats.healthy or r.down_until <= now)
+                for r in self._replicas
             )
             if moving_on:
                 replica.stats.failovers += 1
