@@ -363,3 +363,17 @@ def test_inputs_are_checked_in_the_callers_thread():
     with pytest.raises(InvalidInputError):
         router.generate([1, 2, 3], cache_salt=123)
     assert router._replicas[0].engine.calls == 0
+
+
+def test_a_prefix_shared_by_every_request_does_not_pull_new_documents():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(3)]
+    router = ReplicaRouter(replicas)
+    system = [7] * BS  # a block every prompt starts with (1/7 of it); a document adds 6
+    first = {d: served_by(ask(router, system + doc(d), 1)) for d in range(3)}
+    assert len(set(first.values())) == 3  # the system prompt on r0 did not steer
+    for d in range(3):
+        out = ask(router, system + doc(d), 2)
+        assert served_by(out) == first[d] and out.usage.cached_tokens == 7 * BS
+    # Below match_threshold (a quarter of the prompt) a longer match is no reason either.
+    assert rank("prefix", [Candidate(0, 0, 1), Candidate(1, 0, 0)], turn=1, num_replicas=2,
+                total_blocks=8)[0] == 1  # fmt: skip
