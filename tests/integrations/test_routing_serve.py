@@ -114,3 +114,22 @@ def test_killing_a_replica_mid_run_loses_no_request(replicas, serve_model_dir, a
     assert sum(r.succeeded for r in s.replicas) == 18 + 3
     assert all(r.in_flight == 0 for r in s.replicas)
     router.close()
+
+
+def test_pipeline_runs_unchanged_over_in_process_replicas(replicas):
+    import ragkv
+    from ragkv.integrations.openai.routing import ReplicaRouter
+
+    engines, _, _ = replicas
+    router = ReplicaRouter(engines)  # in-process engines: no HTTP
+    pipe = ragkv.Pipeline(router, default_params=PARAMS)
+    chunks = ["Paris is the capital of France.", "Rome is the capital of Italy."] * 2
+    first = pipe.answer("Capital of France?", chunks, system="Answer briefly.")
+    again = pipe.answer("Capital of France?", chunks, system="Answer briefly.")
+    streamed = list(pipe.stream("Capital of France?", chunks, system="Answer briefly."))
+    direct = engines[0].generate(first.output.prompt_token_ids, PARAMS)
+    assert first.output.token_ids == again.output.token_ids == direct.token_ids
+    assert streamed[-1].answer.output.token_ids == direct.token_ids
+    assert again.usage.cached_tokens > 0  # routed back to the replica that held it
+    assert first.dedup.chunks_out == 2
+    assert router.stats().requests == 3
