@@ -133,3 +133,23 @@ def test_pipeline_runs_unchanged_over_in_process_replicas(replicas):
     assert again.usage.cached_tokens > 0  # routed back to the replica that held it
     assert first.dedup.chunks_out == 2
     assert router.stats().requests == 3
+
+
+def test_framework_adapters_run_over_the_router(replicas, serve_model_dir, api_key):
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from langchain_core.messages import HumanMessage
+
+    from ragkv.integrations.langchain import ChatRagKV
+    from ragkv.integrations.llama_index import RagKVLLM
+
+    _, _, urls = replicas
+    with RemoteEngine.replicas(urls, tokenizer=serve_model_dir, api_key=api_key) as router:
+        chat = ChatRagKV(engine=router, max_tokens=2)
+        question = [HumanMessage("tell me about paged attention " * 8)]
+        first, second = chat.invoke(question), chat.invoke(question)
+        assert first.content == second.content
+        assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+        llm = RagKVLLM(engine=router, max_tokens=2)
+        assert llm.complete("hello", formatted=True).text
+        assert router.stats().requests == 3
