@@ -70,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
     w = p.add_argument_group("production workload (--requests, --top-k, --seed also apply)")
     w.add_argument("--passages", type=int, help="distinct passages in the pool (2 per request)")
     w.add_argument("--duplicate-rate", type=float, default=0.05)
-    r = p.add_argument_group("replica lanes (cache-aware routing, see README 'Routing')")
+    r = p.add_argument_group("replica lanes (cache-aware routing, see README 'Replica lanes')")
     r.add_argument(
         "--replicas",
         type=int,
