@@ -22,6 +22,8 @@ from ragkv.cache_engine.engine_core import EngineCore
 from ragkv.cache_engine.input_processor import InputProcessor, Prompt, pair_prompts
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
+from ragkv.cache_engine import offload
+from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
 from ragkv.cache_engine.request import Request
@@ -56,7 +58,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config, self.max_model_len)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.core = EngineCore(self.scheduler, self.runner, outputs)
+        self.core = EngineCore(self.scheduler, self.runner, outputs, self._open_tiers(config))
         self.inputs = InputProcessor(
             self.tokenizer,
             vocab_size=self.runner.vocab_size,
@@ -64,6 +66,16 @@ class Engine:
             model_name=self.model_name,
             scheduler=self.scheduler,
             outputs=outputs,
+        )
+
+    def _open_tiers(self, config: EngineConfig) -> KVOffload | None:
+        """The KV tiers below the pool, when configured (see ``cache_engine/offload.py``)."""
+        if not config.tiers_enabled:
+            return None
+        return KVOffload(
+            offload.open_tiers(config, self.runner),
+            self.runner,
+            max_staged_blocks=self.runner.num_blocks,
         )
 
     @classmethod
@@ -75,7 +87,8 @@ class Engine:
         """Load a local Hugging Face checkpoint directory (``None``: the embedded default model).
 
         Keyword arguments are :class:`EngineConfig` fields (``hash`` is accepted for
-        ``hash_algo``). Unsupported architectures raise
+        ``hash_algo``), e.g. ``host_cache_bytes=``, ``kv_store_dir=`` and ``kv_store_bytes=``
+        for the KV tiers. Unsupported architectures raise
         :class:`~ragkv.errors.UnsupportedModelError`.
         """
         if "hash" in kwargs:
@@ -204,7 +217,10 @@ class Engine:
         return self.core.health()
 
     def close(self) -> None:
-        """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`."""
+        """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`.
+
+        With KV tiers, waits for them to store what they were offered, then closes them (a
+        ``kv_store_dir`` then serves the next engine on it)."""
         self.core.close()
 
     def __enter__(self) -> Engine:
