@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ragkv.cache_engine import offload
 from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.engine_core import EngineCore
 from ragkv.cache_engine.input_processor import InputProcessor, Prompt, pair_prompts
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
-from ragkv.cache_engine import offload
 from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
