@@ -184,7 +184,10 @@ class Engine:
         self.core.abort(request_id)
 
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of ``token_ids`` are cached now (what a request would reuse)."""
+        """How many leading tokens of ``token_ids`` are cached now (what a request would reuse).
+
+        With KV tiers this includes the blocks the tiers hold after the pool's prefix (their
+        load is verified when a request asks for them, so the figure is an upper bound)."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
@@ -192,7 +195,13 @@ class Engine:
         probe.salt_digest = salt_digest
         with self.core.lock:
             try:
-                return self.kv.get_computed_blocks(probe, record=False)[1]
+                blocks, cached = self.kv.get_computed_blocks(probe, record=False)
+                if self.core.offload is not None:  # what the KV tiers would load after it
+                    hashes, _ = self.kv.reusable_hashes(probe)
+                    cached += (
+                        self.core.offload.resident_blocks(hashes, len(blocks)) * self.block_size
+                    )
+                return cached
             finally:
                 self.kv.free(probe)  # drop the manager's per-request hasher state
 

@@ -14,9 +14,10 @@ discarded while scheduling is not in the batch), never an unregistered private c
 never approximate (non-prefix) chunk reuse, which is not registered. The gather runs in the
 stepping thread before the next step can reuse a block, so no block is pinned; on CPU it is
 a memory copy of ~0.7 MB per block of the default model, a few per cent of the forward that
-wrote it (README, "Benchmark"). On CUDA the gather runs on the compute stream and the copy
-to pinned host memory on a side stream; the payloads are offered once that copy is done
-(polled each step; this CUDA path is untested here).
+wrote it (README, "Benchmark"). On CUDA the gather runs on the compute stream (so it reads
+the blocks before any later step can overwrite them) and the copy to pinned host memory on
+a side stream; the offer carries the copy's event, which the tiers' writer waits on before
+reading (this CUDA path is untested here: no GPU in CI).
 
 Read path (the scheduler drives it, stepping thread)::
 
@@ -65,13 +66,7 @@ def open_tiers(config: EngineConfig, runner: ModelRunner) -> Any:
     dtype, the block size, the hash algorithm and the payload layout (Invariant 7), so a
     changed checkpoint at the same path, or another engine setup, never reads old entries.
     """
-    from ragkv.cache_engine.kv_tiers import (
-        DiskStore,
-        HostStore,
-        KVTiers,
-        StoreNamespace,
-        weights_fingerprint,
-    )
+    from ragkv.cache_engine.kv_tiers import HostStore, KVTiers
 
     pinned = runner.device.type == "cuda"
     host = (
@@ -79,6 +74,8 @@ def open_tiers(config: EngineConfig, runner: ModelRunner) -> Any:
     )
     disk = None
     if config.kv_store_dir is not None:
+        from ragkv.cache_engine.kv_tiers import DiskStore, StoreNamespace, weights_fingerprint
+
         namespace = StoreNamespace(
             model_identity=runner.identity.decode(),
             weights_fingerprint=weights_fingerprint(runner.path),
@@ -223,7 +220,6 @@ class KVOffload:
         self._staged_blocks = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._loader: threading.Thread | None = None
-        self._in_flight: list[tuple[Any, torch.Tensor, list[WrittenBlock]]] = []  # CUDA copies
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- write path (stepping thread) ----------------------------------------------------
@@ -231,7 +227,6 @@ class KVOffload:
         """Copy ``blocks`` out of the pool and offer them to the tiers; never raises."""
         started = time.perf_counter()
         try:
-            self._offer_copied()
             if blocks:
                 self._save(blocks)
         except Exception:  # the tiers are a cache: a failed save costs hits, not requests
@@ -256,7 +251,7 @@ class KVOffload:
             done = torch.cuda.Event()
             done.record(stream)
         staged.record_stream(stream)
-        self._in_flight.append((done, host, list(blocks)))
+        self._offer(blocks, host, ready=done)
 
     def _gather(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``[n, layers, 2, block_size, kv_heads, head_dim]``: one gather per layer and K/V."""
@@ -266,15 +261,14 @@ class KVOffload:
             out[:, layer, 1] = v_cache.index_select(0, ids)
         return out
 
-    def _offer_copied(self) -> None:
-        """Offer the CUDA copies that finished (called each step and at flush)."""
-        while self._in_flight and self._in_flight[0][0].query():
-            _, host, blocks = self._in_flight.pop(0)
-            self._offer(blocks, host)
-
-    def _offer(self, blocks: Sequence[WrittenBlock], payloads: torch.Tensor) -> None:
+    def _offer(
+        self, blocks: Sequence[WrittenBlock], payloads: torch.Tensor, ready: Any = None
+    ) -> None:
+        extra = {} if ready is None else {"ready": ready}  # CUDA: the writer waits on it
         for block, payload in zip(blocks, payloads, strict=True):
-            self.tiers.offer(block.block_hash, block.hash_input, payload, salted=block.salted)
+            self.tiers.offer(
+                block.block_hash, block.hash_input, payload, salted=block.salted, **extra
+            )
         with self._lock:
             self.counters.offered_blocks += len(blocks)
             self.counters.offered_bytes += len(blocks) * self.block_bytes
@@ -454,11 +448,18 @@ class KVOffload:
         return counters, stores
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Offer every finished copy and wait for the tiers to store what they were offered."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-        self._offer_copied()
+        """Wait for the tiers to store what they were offered."""
         self.tiers.flush(timeout_s=timeout_s)
+
+    def resident_blocks(self, hashes: Sequence[bytes], first_block: int) -> int:
+        """How many blocks from ``first_block`` on the tiers hold (unverified, cheap)."""
+        if first_block >= len(hashes):
+            return 0
+        try:
+            return len(self.tiers.lookup(list(hashes[first_block:])))
+        except Exception:
+            logger.exception("KV tier lookup failed")
+            return 0
 
     def close(self) -> None:
         """Stop the loader, flush the tiers (so a store directory keeps every block), close."""

@@ -20,7 +20,7 @@ N = 100  # prompt tokens: 6 full blocks reusable, 7 pool blocks with the output
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 # The tiny models' payload: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x fp32.
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
-HOST_8_BLOCKS = 8 * (BLOCK_BYTES + 256)  # an entry also counts its hash input
+HOST_16_BLOCKS = 16 * (BLOCK_BYTES + 256)  # an entry also counts its hash input
 
 
 def prompt(seed: int, n: int = N) -> list[int]:
@@ -79,16 +79,16 @@ def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, t
     refs = references(family_dir, range(4))
     store = tmp_path / "store"
     seen: dict[str, int] = {}
-    with tiered(family_dir, host_cache_bytes=HOST_8_BLOCKS, kv_store_dir=store) as eng:
+    with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS, kv_store_dir=store) as eng:
         outs = [eng.generate(prompt(0), GREEDY, return_logits=True)]
         outs.append(eng.generate(prompt(0), GREEDY, return_logits=True))  # the pool
         eng.generate(prompt(1), GREEDY)  # prompt 0 leaves the pool for host memory
         outs.append(flushed(eng).generate(prompt(0), GREEDY, return_logits=True))  # host
-        for s in (1, 2, 3):  # host holds 8 blocks: prompt 0 goes on to disk
+        for s in (1, 2, 3):  # host holds 16 blocks: prompt 0 (least recent) goes to disk
             flushed(eng).generate(prompt(s), GREEDY)
         outs.append(flushed(eng).generate(prompt(0), GREEDY, return_logits=True))  # disk
         stats = eng.stats()
-    with tiered(family_dir, host_cache_bytes=HOST_8_BLOCKS, kv_store_dir=store) as eng:
+    with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS, kv_store_dir=store) as eng:
         outs.append(eng.generate(prompt(0), GREEDY, return_logits=True))  # restarted: disk
     for out in outs:
         assert_exact(out, refs[0])
@@ -99,10 +99,10 @@ def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, t
     assert by_tier[0] == {"pool": 0}
     assert by_tier[1] == {"pool": 96}
     assert by_tier[2] == {"pool": 0, "host": 96}
-    assert by_tier[3]["disk"] >= 64 and sum(by_tier[3].values()) == 96
+    assert by_tier[3] == {"pool": 0, "disk": 96}
     assert by_tier[4] == {"pool": 0, "disk": 96}
     assert stats.prefill_tokens_reused == sum(stats.tier_hit_tokens.values())
-    assert stats.tier_loaded_blocks["host"] >= 6 and stats.tier_loaded_blocks["disk"] >= 4
+    assert stats.tier_loaded_blocks["host"] >= 6 and stats.tier_loaded_blocks["disk"] == 6
 
 
 def test_a_new_engine_on_the_store_serves_the_prefix_from_disk_at_once(llama, tmp_path):
@@ -210,7 +210,7 @@ def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path
     store = tmp_path / "s"
     capacity = 3 * (BLOCK_BYTES + 4096)  # room for about three blocks with their headers
     with tiered(
-        path, kv_store_dir=store, kv_store_bytes=capacity, host_cache_bytes=HOST_8_BLOCKS
+        path, kv_store_dir=store, kv_store_bytes=capacity, host_cache_bytes=HOST_16_BLOCKS
     ) as eng:
         outs = [eng.generate(prompt(s), GREEDY, return_logits=True) for s in (0, 1, 2, 3, 0)]
         flushed(eng)
@@ -219,14 +219,14 @@ def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path
         assert_exact(out, refs[s])
         assert_accounted(out)
     assert stats.tiers["disk"].bytes_used <= capacity
-    assert stats.tiers["host"].bytes_used <= HOST_8_BLOCKS
+    assert stats.tiers["host"].bytes_used <= HOST_16_BLOCKS
     on_disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     assert on_disk <= capacity + 64 * 1024  # the namespace / index files are small
 
 
 def test_usage_names_each_tier_in_the_openai_shape(llama, tmp_path):
     path, _ = llama
-    with tiered(path, host_cache_bytes=HOST_8_BLOCKS) as eng:
+    with tiered(path, host_cache_bytes=HOST_16_BLOCKS) as eng:
         eng.generate(prompt(0), GREEDY)
         flushed(eng).generate(prompt(1), GREEDY)
         out = flushed(eng).generate(prompt(0), GREEDY)
