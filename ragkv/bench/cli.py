@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ragkv.bench.lanes import ALL_LANES, LANES, TIERS_LANE
-from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.config import DEFAULTS, KV_TIER_WRITE_POLICIES
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
@@ -87,6 +87,12 @@ def add_parser(subparsers: Any) -> None:
     k.add_argument("--kv-store-dir", help="disk tier directory (default: none; with --restart a "
                    "temporary one)")  # fmt: skip
     k.add_argument("--kv-store-bytes", type=int, default=DEFAULTS.kv_store_bytes)
+    k.add_argument(
+        "--kv-tier-write-policy",
+        choices=KV_TIER_WRITE_POLICIES,
+        default=DEFAULTS.kv_tier_write_policy,
+        help="host evictions go to disk (write-back) or blocks seen twice go at once",
+    )
     k.add_argument(
         "--restart",
         action="store_true",
@@ -169,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes,
+        kv_tier_write_policy=args.kv_tier_write_policy,
         restart=args.restart,
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))

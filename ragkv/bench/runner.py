@@ -49,6 +49,7 @@ class BenchConfig:
     host_cache_bytes: int | None = None
     kv_store_dir: str | None = None
     kv_store_bytes: int = DEFAULTS.kv_store_bytes
+    kv_tier_write_policy: str = DEFAULTS.kv_tier_write_policy
     restart: bool = False
 
 
@@ -230,6 +231,7 @@ def run_bench(
             "host_cache_bytes": host,
             "kv_store_dir": store.name if store is not None else None,
             "kv_store_bytes": config.kv_store_bytes,
+            "kv_tier_write_policy": config.kv_tier_write_policy,
         }
 
     def make_engine(spec: LaneSpec) -> Any:
