@@ -71,12 +71,8 @@ def host_round_trip(args: argparse.Namespace, rng: random.Random) -> dict:
 
 
 def restart(args: argparse.Namespace, rng: random.Random, store: Path) -> dict:
-    settings = dict(
-        dtype=args.dtype,
-        kv_cache_tokens=2 * PROMPT + 8 * BLOCK,
-        host_cache_bytes=args.host_bytes,
-        kv_store_dir=store,
-    )
+    # Disk only: every block the first engine computes is written to the store.
+    settings = dict(dtype=args.dtype, kv_cache_tokens=2 * PROMPT + 8 * BLOCK, kv_store_dir=store)
     with Engine.from_pretrained(args.model, **settings) as first:
         vocab = first.runner.vocab_size
         base = random_ids(rng, PROMPT, vocab)
