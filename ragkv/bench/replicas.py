@@ -52,25 +52,31 @@ class RouterLane:
         return getattr(self.router, name)
 
     def stats(self) -> Any:
-        """The engines' counters summed, with the router's per-replica stats as ``router``."""
+        """The engines' counters summed field by field (dict fields key by key), with the
+        router's per-replica stats as ``router``."""
         parts = [e.stats() for e in self.engines]
-        total = {
-            key: sum(getattr(p, key) for p in parts)
-            for key in (
-                "prompt_tokens",
-                "prefill_tokens_computed",
-                "prefill_tokens_reused",
-                "preemptions",
-                "evictions",
-                "num_blocks",
-                "peak_used_blocks",
-            )
-        }
+        total: dict[str, Any] = {}
+        for f in dataclasses.fields(parts[0]):
+            values = [getattr(p, f.name) for p in parts]
+            if isinstance(values[0], dict):
+                merged: dict[str, Any] = {}
+                for value in values:
+                    for key, v in value.items():
+                        merged[key] = merged.get(key, 0) + v if _is_number(v) else v
+                total[f.name] = merged
+            elif all(_is_number(v) for v in values):
+                total[f.name] = sum(values)
+            else:
+                total[f.name] = values[0]
         return SimpleNamespace(**total, router=self.router.stats())
 
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def routing_lanes(policies: Sequence[str], replicas: int) -> list[str]:
