@@ -438,7 +438,8 @@ class ReplicaRouter:
             s = replica.stats
             s.in_flight -= 1
             s.succeeded += 1
-            _mark_healthy(replica)
+            # No _mark_healthy here: an answer to a request sent before the replica failed
+            # proves nothing about it now; only a probe after the backoff brings it back.
             predicted = route.predicted
             cached = output.usage.cached_tokens if output.usage is not None else None
             if cached is not None:
