@@ -102,10 +102,12 @@ def test_killing_a_replica_mid_run_loses_no_request(replicas, serve_model_dir, a
         return len(out.token_ids)
 
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(one, i) for i in range(18)]
-        for _ in range(5):
+        futures = [pool.submit(one, i) for i in range(9)]
+        for _ in range(3):
             done.acquire()
-        threads[victim].stop()  # in-flight requests finish; new connections are refused
+        # Mid-run: requests still in flight on the victim finish; new connections are refused.
+        threads[victim].stop()
+        futures += [pool.submit(one, i) for i in range(9, 18)]  # 3 of them prefer the victim
         results = [f.result() for f in futures]
     assert results == [2] * 18  # every request answered, streamed or not
     s = router.stats()
