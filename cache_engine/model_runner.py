@@ -234,12 +234,14 @@ class ModelRunner:
         sampled row (the one at position ``end - 1``) within the chunk, or its last row's
         when it does not sample."""
         positions, token_ids, end = chunk.positions, chunk.request.token_ids, chunk.end
-        if len(positions) != chunk.num_tokens or (
-            positions and (min(positions) < 0 or max(positions) >= end)
+        if (
+            len(positions) != chunk.num_tokens
+            or len(set(positions)) != len(positions)
+            or (positions and (min(positions) < 0 or max(positions) >= end))
         ):
             raise InvalidInputError(
-                f"ScheduledChunk.positions must hold num_tokens={chunk.num_tokens} positions "
-                f"in [0, {end}); got {len(positions)}",
+                f"ScheduledChunk.positions must hold num_tokens={chunk.num_tokens} distinct "
+                f"positions in [0, {end}); got {len(positions)}",
                 param="positions",
             )
         batch.explicit_positions = True
