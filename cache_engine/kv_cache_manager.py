@@ -155,6 +155,11 @@ class KVCacheManager:
             if not self.pool.ref_counts[block_id]:
                 self.pool.forget(block_id)
 
+    def set_cacheable(self, request: CacheRequest, cacheable: bool) -> None:
+        """Whether the request's blocks past those registered so far may be registered
+        (False for approximate K/V: position-independent chunk reuse)."""
+        self._state(request).cacheable = cacheable
+
     def block_table(self, request: CacheRequest) -> list[int]:
         """The request's block ids in token order (the live list: do not mutate)."""
         state = self._requests.get(request.request_id)
