@@ -183,14 +183,18 @@ class Scheduler:
                 if self.config.enable_prefix_caching:
                     blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
                 plan = self._plan_blend(request, num_computed)
-                if plan is None:
-                    num_new = min(request.num_tokens - num_computed, budget)
-                    allocated = self.kv.allocate_slots(request, num_new, blocks)
-                elif len(plan.positions) > budget:  # one step, whole: wait for room
-                    break
-                else:
+                allocated = None
+                if plan is not None:
+                    if len(plan.positions) > budget:  # one step, whole: wait for room
+                        break
                     num_new = len(plan.positions)
                     allocated = admit_blended(self.kv, request, plan, blocks, num_computed)
+                if allocated is None:  # the exact path (also when pinning left no room)
+                    num_new = min(request.num_tokens - num_computed, budget)
+                    allocated = self.kv.allocate_slots(request, num_new, blocks)
+                    if allocated is not None and plan is not None:
+                        self.num_blend_fallbacks += 1
+                        plan = None
             except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
                 self._fail(request, exc, out)
                 continue
