@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ragkv.bench.lanes import LANES
+from ragkv.bench.lanes import BLEND_LANE, LANES
 from ragkv.cache_engine.config import DEFAULTS
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
@@ -46,6 +46,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight per lane")
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
     p.add_argument("--lanes", default=",".join(LANES), help="comma-separated subset of lanes")
+    p.add_argument(
+        "--reuse",
+        choices=("blend",),
+        help=f"add the {BLEND_LANE} lane: the ragkv lane's prompts with opt-in position-"
+        "independent chunk reuse (approximate; compared with ragkv's greedy outputs)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--full",
@@ -136,6 +142,9 @@ def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.runner import BenchConfig, run_bench
 
     workload = build_workload(args)
+    lanes = [name.strip() for name in args.lanes.split(",") if name.strip()]
+    if args.reuse == "blend" and BLEND_LANE not in lanes:
+        lanes.append(BLEND_LANE)
     config = BenchConfig(
         model=args.model,
         device=args.device,
@@ -145,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         order=args.order,
-        lanes=[name.strip() for name in args.lanes.split(",") if name.strip()],
+        lanes=lanes,
         progress=not args.no_progress,
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))
@@ -164,7 +173,7 @@ def _print_estimate(args: argparse.Namespace, workload: Any) -> Any:
     """Print the ETA (to stderr, so ``--json -`` stays clean) before the lanes start."""
 
     def show(seconds: float) -> None:
-        lanes = args.lanes.count(",") + 1
+        lanes = args.lanes.count(",") + 1 + (args.reuse == "blend")
         print(
             f"ragkv bench: {lanes} lanes x {len(workload.requests)} {workload.name} requests, "
             f"estimated {seconds / 60:.1f} min on this machine (calibrated by one prefill)",

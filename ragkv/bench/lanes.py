@@ -13,6 +13,12 @@ apc+assembler  on                stable-first / cache-aware   no    yes
 ragkv          on                stable-first / cache-aware   yes   yes
 ============== ================= ============================ ===== ======================
 
+``ragkv bench --reuse blend`` adds an opt-in fifth lane, ``ragkv+blend``: the ``ragkv``
+lane's own prompts (token ids and chunk spans, the same follow-up histories) replayed on a
+fresh engine with position-independent chunk reuse (``BlendConfig()``). Its answers are
+approximate, so it is left out of the determinism check and compared with ``ragkv``'s
+greedy outputs instead.
+
 The replay is a closed loop: at most ``concurrency`` requests in flight, dispatched in
 workload order; a follow-up waits until its session's previous turn has answered, because
 its history holds that answer (each lane's own answer).
@@ -21,6 +27,7 @@ its history holds that answer (each lane's own answer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -32,6 +39,7 @@ from ragkv.bench.workload import RequestSpec, Workload
 from ragkv.errors import ConfigError
 
 LANES = ("no-cache", "apc", "apc+assembler", "ragkv")
+BLEND_LANE = "ragkv+blend"  # opt-in (--reuse blend): replays the ragkv lane's prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,7 @@ class LaneSpec:
     order: str
     dedup: bool
     demote_invalidators: bool
+    reuse: bool = False  # position-independent chunk reuse (approximate)
 
 
 def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list[LaneSpec]:
@@ -52,10 +61,13 @@ def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list
         "apc": LaneSpec("apc", True, "retrieval", False, False),
         "apc+assembler": LaneSpec("apc+assembler", True, order, False, True),
         "ragkv": LaneSpec("ragkv", True, order, True, True),
+        BLEND_LANE: LaneSpec(BLEND_LANE, True, order, True, True, reuse=True),
     }
     unknown = [n for n in names if n not in table]
     if unknown or not names:
-        raise ConfigError(f"unknown lane(s) {unknown}; choose from {', '.join(LANES)}")
+        raise ConfigError(
+            f"unknown lane(s) {unknown}; choose from {', '.join((*LANES, BLEND_LANE))}"
+        )
     return [table[n] for n in names]
 
 
@@ -75,6 +87,7 @@ class RequestRecord:
     e2e_s: float  # dedup + assembly + engine total
     chunks_in: int
     chunks_out: int
+    reused_nonprefix_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -88,6 +101,7 @@ class LaneResult:
     load_s: float
     kv_cache_tokens: int
     answers: list[Any] = field(default_factory=list)  # Answer objects, when kept
+    sessions: dict[int, str] = field(default_factory=dict)  # request index -> session id
 
 
 def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
@@ -141,9 +155,77 @@ def run_lane(
         _record(spec, pipeline, request, answer)
         for request, answer in zip(workload.requests, answers, strict=True)
     ]
+    sessions = {r.index: r.session_id for r in workload.requests}
     return LaneResult(
-        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else []
+        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else [], sessions
     )
+
+
+def run_blend_lane(
+    spec: LaneSpec,
+    exact: LaneResult,
+    make_engine: Callable[[LaneSpec], Any],
+    params: Any,
+    *,
+    concurrency: int = 8,
+) -> LaneResult:
+    """Replay the exact ``ragkv`` lane's prompts (kept answers) with chunk reuse on."""
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
+
+    started = time.perf_counter()
+    engine = make_engine(spec)
+    load_s = time.perf_counter() - started
+    try:
+        t0 = time.perf_counter()
+        outputs = _run_coroutine(_replay_plans(engine, exact, params, BlendConfig(), concurrency))
+        wall_s = time.perf_counter() - t0
+        stats = engine.stats()
+        kv_tokens = engine.kv_cache_tokens
+    finally:
+        engine.close()
+    records = []
+    for base, answer, output in zip(exact.records, exact.answers, outputs, strict=True):
+        prep = answer.timings["dedup_s"] + answer.timings["assemble_s"]
+        t = output.timings
+        records.append(
+            dataclasses.replace(
+                base,
+                token_ids=output.token_ids,
+                text=output.text,
+                cached_tokens=output.usage.cached_tokens,
+                completion_tokens=output.usage.completion_tokens,
+                ttft_s=prep + t.ttft_s,
+                e2e_s=prep + t.total_s,
+                reused_nonprefix_tokens=output.usage.reused_nonprefix_tokens,
+            )
+        )
+    return LaneResult(spec, records, stats, wall_s, load_s, kv_tokens)
+
+
+async def _replay_plans(
+    engine: Any, exact: LaneResult, params: Any, blend: Any, concurrency: int
+) -> list[Any]:
+    """The exact lane's plans in workload order, a session's turns one after another."""
+    slots = asyncio.Semaphore(concurrency)
+    last: dict[str, asyncio.Task[Any]] = {}
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def one(plan: Any) -> Any:
+        try:
+            spans = [(s.start, s.end) for s in plan.spans("chunk")]
+            return await engine.agenerate(plan.token_ids, params, chunk_spans=spans, reuse=blend)
+        finally:
+            slots.release()
+
+    for answer, record in zip(exact.answers, exact.records, strict=True):
+        session = exact.sessions[record.index] if exact.sessions else str(record.index)
+        previous = last.get(session)
+        if previous is not None:
+            await previous
+        await slots.acquire()
+        last[session] = task = asyncio.create_task(one(answer.plan))
+        tasks.append(task)
+    return list(await asyncio.gather(*tasks))
 
 
 def _run_coroutine(coro: Any) -> Any:
@@ -213,6 +295,7 @@ def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) ->
         e2e_s=prep + t["total_s"],
         chunks_in=answer.dedup.chunks_in,
         chunks_out=answer.dedup.chunks_out,
+        reused_nonprefix_tokens=usage.reused_nonprefix_tokens,
     )
 
 

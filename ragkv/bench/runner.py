@@ -10,11 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ragkv.bench.lanes import LANES, LaneResult, LaneSpec, lane_specs, run_lane
+from ragkv.bench.lanes import (
+    BLEND_LANE,
+    LANES,
+    LaneResult,
+    LaneSpec,
+    lane_specs,
+    run_blend_lane,
+    run_lane,
+)
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
 from ragkv.cache_engine.config import DEFAULTS
-from ragkv.errors import PromptTooLongError
+from ragkv.errors import ConfigError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +165,7 @@ def estimate_seconds(
         "apc": profile.sent_tokens,
         "apc+assembler": (profile.sent_tokens + profile.distinct_tokens) / 2,
         "ragkv": profile.distinct_tokens,
+        BLEND_LANE: profile.distinct_tokens / 2,
     }
     prefill = sum(computed.get(name, profile.sent_tokens) for name in lanes) * per_token_s
     steps = profile.requests * max_tokens / max(1, min(concurrency, profile.requests))
@@ -222,19 +231,29 @@ def run_bench(
             + len(names) * load_s
         )
     params = SamplingParams(max_tokens=config.max_tokens)
+    blend = any(spec.reuse for spec in lanes)
+    if blend and "ragkv" not in config.lanes:
+        raise ConfigError(f"the {BLEND_LANE} lane replays the ragkv lane's prompts: add ragkv")
     try:
-        results = [
-            run_lane(
-                spec,
-                workload,
-                make_engine,
-                params,
-                concurrency=config.concurrency,
-                progress=config.progress,
-                keep_answers=config.keep_answers,
+        results = []
+        for spec in lanes:
+            if spec.reuse:
+                exact = next(r for r in results if r.spec.name == "ragkv")
+                results.append(
+                    run_blend_lane(spec, exact, make_engine, params, concurrency=config.concurrency)
+                )
+                continue
+            results.append(
+                run_lane(
+                    spec,
+                    workload,
+                    make_engine,
+                    params,
+                    concurrency=config.concurrency,
+                    progress=config.progress,
+                    keep_answers=config.keep_answers or (blend and spec.name == "ragkv"),
+                )
             )
-            for spec in lanes
-        ]
     except PromptTooLongError as exc:
         raise PromptTooLongError(
             f"{exc}. For the bench: lower --chunk-size or --top-k, or use a longer-context model"

@@ -1,0 +1,64 @@
+"""``ragkv bench --reuse blend``: the ragkv+blend lane replays the ragkv lane's prompts with
+chunk reuse, reports what it reused, and is compared with ragkv instead of checked for
+determinism (its answers are approximate)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragkv.bench.lanes import BLEND_LANE
+from ragkv.bench.runner import BenchConfig, run_bench
+from ragkv.bench.workload import synthetic_workload
+from ragkv.cli import main
+from ragkv.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model, small_config):
+    workload = synthetic_workload(small_config(requests=8, follow_up_rate=0.25, topics=2))
+    config = BenchConfig(
+        model=tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_tokens=2,
+        concurrency=2,
+        lanes=["ragkv", BLEND_LANE],
+    )
+    return run_bench(workload, config)
+
+
+def test_blend_lane_replays_ragkv_prompts_and_computes_less(bench):
+    report, results = bench
+    exact, blend = results
+    assert [r.prompt_token_ids for r in blend.records] == [
+        r.prompt_token_ids for r in exact.records
+    ]
+    lanes = report["lanes"]
+    assert lanes[BLEND_LANE]["reused_nonprefix_tokens"] > 0
+    assert lanes["ragkv"]["reused_nonprefix_tokens"] == 0
+    ratios = report["ratios"]
+    assert 0 < ratios["prefill_blend_vs_ragkv"] < 1
+    assert 0 <= ratios["greedy_agreement_blend_vs_ragkv"] <= 1
+    assert report["determinism"]["identical_prompt_pairs"] == 0  # blend is not compared
+
+
+def test_blend_lane_needs_the_ragkv_lane(tiny_model, small_config):
+    workload = synthetic_workload(small_config(requests=2))
+    config = BenchConfig(model=tiny_model, device="cpu", lanes=["apc", BLEND_LANE])
+    with pytest.raises(ConfigError):
+        run_bench(workload, config)
+
+
+def test_cli_reuse_blend_adds_the_lane(tiny_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "--model", tiny_model, "--requests", "3", "--topics", "1", "--max-tokens",
+         "1", "--chunk-size", "200", "--lanes", "ragkv", "--reuse", "blend", "--json",
+         str(out), "--no-progress"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert list(report["lanes"]) == ["ragkv", BLEND_LANE]
+    assert "prefill_blend_vs_ragkv" in report["ratios"]
