@@ -36,6 +36,12 @@ class BlendPlan:
     placed: bool = False  # the runner copied the K/V
 
     @property
+    def exact_until(self) -> int | None:
+        """The first copied position: K/V before it is exact (prefix, computed tokens that
+        saw only exact K/V), from it on approximate. None when nothing is copied."""
+        return min(self.dst_positions) if self.dst_positions else None
+
+    @property
     def reused_tokens(self) -> int:
         """Tokens whose K/V was copied and kept (what ``reused_nonprefix_tokens`` reports)."""
         return len(self.dst_positions)

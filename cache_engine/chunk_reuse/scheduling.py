@@ -8,10 +8,12 @@ Safety, in order of the protocol:
 - **pin**: the source blocks of a plan are referenced before the request's own blocks are
   allocated (a free source block would otherwise be the next one handed out), and stay
   referenced until the step that copies from them has run (:func:`release_pins`);
-- **never cache approximate K/V**: the request's blocks past its exact prefix are not
-  registered in the prefix cache, and a request that reused anything records nothing;
-- **record only exact K/V**: :func:`record_chunks` runs once a non-blended request's prompt
-  has been computed.
+- **never cache approximate K/V**: K/V is approximate from the first copied token on (every
+  later token attends to it); the request's blocks from there are never registered in the
+  prefix cache, and its chunks from there are never recorded. Blocks and chunks wholly
+  before it (the exact prefix, then tokens computed over exact K/V only) are exact and are
+  cached and recorded like any;
+- **record only exact K/V**: :func:`record_chunks` runs once the prompt has been computed.
 """
 
 from __future__ import annotations
@@ -47,13 +49,13 @@ def admit_blended(
     computed_blocks: list[int],
     num_computed: int,
 ) -> list[int] | None:
-    """Pin the plan's sources and allocate the request's blocks, none of them cacheable past
-    the prefix; None (nothing changed) when the pool cannot hold them."""
+    """Pin the plan's sources and allocate the request's blocks, none of them cacheable from
+    the first copied token on; None (nothing changed) when the pool cannot hold them."""
     kv.pool.touch(plan.pinned)
-    kv.set_cacheable(request, False)
+    kv.limit_caching(request, plan.exact_until)
     allocated = kv.allocate_slots(request, request.num_tokens - num_computed, computed_blocks)
     if allocated is None:
-        kv.set_cacheable(request, True)
+        kv.limit_caching(request, None)
         kv.pool.free(plan.pinned)
         return None
     request.blend = plan
@@ -70,14 +72,18 @@ def release_pins(kv: KVCacheManager, request: Request) -> None:
 
 
 def record_chunks(index: ChunkIndex, kv: KVCacheManager, request: Request) -> None:
-    """Record where the request's chunks' exact K/V lives (its prompt has been computed)."""
+    """Record where the request's chunks' exact K/V lives (its prompt has been computed):
+    every chunk, or for a blended request those wholly before its first copied token."""
     request.chunks_recorded = True
-    if request.blend is not None:  # approximate: never a source
-        return
+    exact_until = request.num_prompt_tokens
+    if request.blend is not None and request.blend.exact_until is not None:
+        exact_until = request.blend.exact_until
     block_table = kv.block_table(request)
     generations = kv.pool.generation
     token_ids = request.token_ids
     for start, end in request.chunk_spans:
+        if end > exact_until:
+            break
         index.record(
             request.salt_digest,
             token_ids[start:end],

@@ -169,6 +169,24 @@ def test_approximate_blocks_are_never_hit_nor_recorded(two_layers):
     assert (exact.logits - expected).abs().max().item() <= ATOL
 
 
+def test_what_precedes_the_first_copied_token_is_exact_and_cached(two_layers):
+    path, model = two_layers
+    new_chunk = ids(6, A)
+    third = SYS + new_chunk + CHUNK_A + ids(7, 7)  # the new chunk is computed, then A copied
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        blended = eng.generate(third, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        starts = sorted(loc.start for loc in _locations(eng))
+        later = SYS + new_chunk + ids(8, 30)
+        exact = eng.generate(later, GREEDY, return_logits=True)
+        assert_no_block_held(eng)
+    assert blended.usage.reused_nonprefix_tokens == A
+    assert starts == [SYSTEM, SYSTEM, SYSTEM + A]  # the new chunk, recorded at 20
+    assert exact.usage.cached_tokens == 2 * BLOCK  # blocks wholly before the copied A
+    expected = hf_logits(model, later + exact.token_ids[:-1])[2 * BLOCK :]
+    assert (exact.logits - expected).abs().max().item() <= ATOL
+
+
 def test_evicted_source_blocks_are_never_read(one_layer):
     path, model = one_layer
     with engine(path, kv_cache_tokens=8 * BLOCK) as eng:
