@@ -52,6 +52,12 @@ def add_parser(subparsers: Any) -> None:
         help=f"add the {BLEND_LANE} lane: the ragkv lane's prompts with opt-in position-"
         "independent chunk reuse (approximate; compared with ragkv's greedy outputs)",
     )
+    p.add_argument(
+        "--blend-k",
+        type=int,
+        help="tokens recomputed at the start of each reused chunk in the ragkv+blend lane "
+        "(default: BlendConfig's, 16; 0 is naive reuse)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--full",
@@ -155,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         order=args.order,
         lanes=lanes,
+        blend_k=args.blend_k,
         progress=not args.no_progress,
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))

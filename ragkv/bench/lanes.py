@@ -15,7 +15,8 @@ ragkv          on                stable-first / cache-aware   yes   yes
 
 ``ragkv bench --reuse blend`` adds an opt-in fifth lane, ``ragkv+blend``: the ``ragkv``
 lane's own prompts (token ids and chunk spans, the same follow-up histories) replayed on a
-fresh engine with position-independent chunk reuse (``BlendConfig()``). Its answers are
+fresh engine with position-independent chunk reuse (``BlendConfig()`` unless ``--blend-k``
+says otherwise). Its answers are
 approximate, so it is left out of the determinism check and compared with ``ragkv``'s
 greedy outputs instead.
 
@@ -168,16 +169,19 @@ def run_blend_lane(
     params: Any,
     *,
     concurrency: int = 8,
+    blend: Any = None,
 ) -> LaneResult:
-    """Replay the exact ``ragkv`` lane's prompts (kept answers) with chunk reuse on."""
+    """Replay the exact ``ragkv`` lane's prompts (kept answers) with chunk reuse on
+    (``blend``: a :class:`~ragkv.cache_engine.chunk_reuse.BlendConfig`, default its default)."""
     from ragkv.cache_engine.chunk_reuse import BlendConfig
 
+    blend = blend or BlendConfig()
     started = time.perf_counter()
     engine = make_engine(spec)
     load_s = time.perf_counter() - started
     try:
         t0 = time.perf_counter()
-        outputs = _run_coroutine(_replay_plans(engine, exact, params, BlendConfig(), concurrency))
+        outputs = _run_coroutine(_replay_plans(engine, exact, params, blend, concurrency))
         wall_s = time.perf_counter() - t0
         stats = engine.stats()
         kv_tokens = engine.kv_cache_tokens

@@ -42,6 +42,7 @@ class BenchConfig:
     lanes: Sequence[str] = LANES
     progress: bool = False
     keep_answers: bool = False
+    blend_k: int | None = None  # the ragkv+blend lane's first-k (None: BlendConfig's default)
 
 
 def model_path(model: str | None) -> Path:
@@ -185,6 +186,7 @@ def run_bench(
     from transformers import AutoTokenizer
 
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
 
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
@@ -240,7 +242,14 @@ def run_bench(
             if spec.reuse:
                 exact = next(r for r in results if r.spec.name == "ragkv")
                 results.append(
-                    run_blend_lane(spec, exact, make_engine, params, concurrency=config.concurrency)
+                    run_blend_lane(
+                        spec,
+                        exact,
+                        make_engine,
+                        params,
+                        concurrency=config.concurrency,
+                        blend=None if config.blend_k is None else BlendConfig(k=config.blend_k),
+                    )
                 )
                 continue
             results.append(
