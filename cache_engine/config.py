@@ -25,6 +25,9 @@ HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "blake3")
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_BYTES = 1 << 30
+KV_TIER_WRITE_POLICIES: tuple[str, ...] = ("write-back", "write-through")
+DEFAULT_KV_STORE_BYTES = 8 << 30  # disk tier, when kv_store_dir is set
+MAX_KV_STORE_BYTES = 1 << 50  # a typo guard (1 PiB), not a real limit
 CUDA_KV_SHARE = 0.4  # of the free device memory, when no pool size is given
 
 
@@ -40,6 +43,13 @@ class EngineConfig:
     once, ``max_num_batched_tokens`` tokens per step. ``hash_algo`` names the block hash.
     ``schedule_policy``: "fcfs", or "longest-prefix" (admit the waiting request with the
     longest cached prefix first). ``backend``: the kernels' backend ("auto": Triton on CUDA).
+
+    KV tiers (off by default): blocks that leave the pool are kept in host memory
+    (``host_cache_bytes``, 0 = off) and, with ``kv_store_dir``, on disk (at most
+    ``kv_store_bytes``), and come back verified (Invariant 7). A store directory survives
+    restarts. ``kv_store_salted=False`` keeps salted (per-tenant) requests' blocks out of
+    the disk tier. ``kv_tier_write_policy``: "write-back" (host evictions go to disk) or
+    "write-through" (blocks seen twice go to disk at once); see the README's benchmark.
     """
 
     model: str | Path | None = None
@@ -55,6 +65,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     schedule_policy: SchedulePolicy = "fcfs"
     backend: str = "auto"
+    host_cache_bytes: int = 0
+    kv_store_dir: str | Path | None = None
+    kv_store_bytes: int = DEFAULT_KV_STORE_BYTES
+    kv_store_salted: bool = True
+    kv_tier_write_policy: str = "write-back"
+
+    @property
+    def tiers_enabled(self) -> bool:
+        """Whether any KV tier below the pool is configured (and prefix caching is on)."""
+        return self.enable_prefix_caching and (
+            self.host_cache_bytes > 0 or self.kv_store_dir is not None
+        )
 
     def __post_init__(self) -> None:
         self.dtype = _dtype_name(self.dtype)
@@ -87,12 +109,44 @@ class EngineConfig:
         _one_of(self, "hash_algo", HASH_ALGOS)
         _one_of(self, "schedule_policy", SCHEDULE_POLICIES)
         _one_of(self, "backend", BACKENDS)
+        self._validate_tiers()
         device = self.device.split(":")[0]
         _check(
             device in ("auto", "cpu", "cuda"),
             "device",
             f"unknown device {self.device!r}; use 'auto', 'cpu' or 'cuda[:N]'",
         )
+
+    def _validate_tiers(self) -> None:
+        _check(
+            isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0,
+            "host_cache_bytes",
+            f"host_cache_bytes must be an int >= 0 (0 = off), got {self.host_cache_bytes!r}",
+        )
+        _check(
+            isinstance(self.kv_store_bytes, int) and 0 < self.kv_store_bytes <= MAX_KV_STORE_BYTES,
+            "kv_store_bytes",
+            f"kv_store_bytes must be an int between 1 and {MAX_KV_STORE_BYTES}, "
+            f"got {self.kv_store_bytes!r}",
+        )
+        if self.kv_store_dir is not None:
+            _check(
+                isinstance(self.kv_store_dir, str | Path) and str(self.kv_store_dir) != "",
+                "kv_store_dir",
+                f"kv_store_dir must be a directory path, got {self.kv_store_dir!r}",
+            )
+            path = Path(self.kv_store_dir).expanduser()
+            _check(
+                not path.exists() or path.is_dir(),
+                "kv_store_dir",
+                f"kv_store_dir {str(path)!r} exists and is not a directory",
+            )
+        _check(
+            isinstance(self.kv_store_salted, bool),
+            "kv_store_salted",
+            "kv_store_salted must be True or False",
+        )
+        _one_of(self, "kv_tier_write_policy", KV_TIER_WRITE_POLICIES)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some settings changed (validated again)."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ragkv.cache_engine import offload
 from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.config import EngineConfig
@@ -29,6 +30,7 @@ from ragkv.cache_engine.input_processor import (
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
+from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
 from ragkv.cache_engine.request import Request
@@ -65,7 +67,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config, self.max_model_len, self.chunk_index)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.core = EngineCore(self.scheduler, self.runner, outputs)
+        self.core = EngineCore(self.scheduler, self.runner, outputs, self._open_tiers(config))
         self.inputs = InputProcessor(
             self.tokenizer,
             vocab_size=self.runner.vocab_size,
@@ -73,6 +75,16 @@ class Engine:
             model_name=self.model_name,
             scheduler=self.scheduler,
             outputs=outputs,
+        )
+
+    def _open_tiers(self, config: EngineConfig) -> KVOffload | None:
+        """The KV tiers below the pool, when configured (see ``cache_engine/offload.py``)."""
+        if not config.tiers_enabled:
+            return None
+        return KVOffload(
+            offload.open_tiers(config, self.runner),
+            self.runner,
+            max_staged_blocks=self.runner.num_blocks,
         )
 
     @classmethod
@@ -84,7 +96,8 @@ class Engine:
         """Load a local Hugging Face checkpoint directory (``None``: the embedded default model).
 
         Keyword arguments are :class:`EngineConfig` fields (``hash`` is accepted for
-        ``hash_algo``). Unsupported architectures raise
+        ``hash_algo``), e.g. ``host_cache_bytes=``, ``kv_store_dir=`` and ``kv_store_bytes=``
+        for the KV tiers. Unsupported architectures raise
         :class:`~ragkv.errors.UnsupportedModelError`.
         """
         if "hash" in kwargs:
@@ -221,7 +234,10 @@ class Engine:
         self.core.abort(request_id)
 
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of ``token_ids`` are cached now (what a request would reuse)."""
+        """How many leading tokens of ``token_ids`` are cached now (what a request would reuse).
+
+        With KV tiers this includes the blocks the tiers hold after the pool's prefix (their
+        load is verified when a request asks for them, so the figure is an upper bound)."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
@@ -229,7 +245,13 @@ class Engine:
         probe.salt_digest = salt_digest
         with self.core.lock:
             try:
-                return self.kv.get_computed_blocks(probe, record=False)[1]
+                blocks, cached = self.kv.get_computed_blocks(probe, record=False)
+                if self.core.offload is not None:  # what the KV tiers would load after it
+                    hashes, _ = self.kv.reusable_hashes(probe)
+                    cached += (
+                        self.core.offload.resident_blocks(hashes, len(blocks)) * self.block_size
+                    )
+                return cached
             finally:
                 self.kv.free(probe)  # drop the manager's per-request hasher state
 
@@ -254,7 +276,10 @@ class Engine:
         return self.core.health()
 
     def close(self) -> None:
-        """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`."""
+        """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`.
+
+        With KV tiers, waits for them to store what they were offered, then closes them (a
+        ``kv_store_dir`` then serves the next engine on it)."""
         self.core.close()
 
     def __enter__(self) -> Engine:

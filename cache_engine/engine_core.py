@@ -33,6 +33,7 @@ from typing import Any
 
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner, StepResult
+from ragkv.cache_engine.offload import KVOffload, written_blocks
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, StreamDelta
 from ragkv.cache_engine.request import Request
@@ -49,11 +50,21 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 class EngineCore:
     """Owns the scheduler, the model runner, the output processor and the stepping thread."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.outputs = outputs
+        self.offload = offload  # KV tiers below the pool (None: off)
+        if offload is not None:
+            offload.wake = self._wake
+            scheduler.tiers = offload
         self.stats = EngineStats(num_blocks=runner.num_blocks)
         self.lock = threading.Lock()  # guards scheduler + KV manager across threads
         # Orders submissions against close(): an "add" is never queued behind "close".
@@ -93,7 +104,22 @@ class EngineCore:
         snapshot.preemptions = self.scheduler.num_preemptions
         snapshot.blend_fallbacks = self.scheduler.num_blend_fallbacks
         snapshot.extra = {"cache": cache}
+        if self.offload is not None:
+            self._add_tier_stats(snapshot)
         return snapshot
+
+    def _add_tier_stats(self, snapshot: EngineStats) -> None:
+        counters, stores = self.offload.stats()
+        snapshot.tier_hit_tokens = counters.hit_tokens
+        snapshot.tier_loaded_blocks = counters.loaded_blocks
+        snapshot.tier_loaded_bytes = counters.loaded_bytes
+        snapshot.tier_load_s = counters.load_s
+        snapshot.tier_load_misses = counters.load_misses
+        snapshot.tier_offered_blocks = counters.offered_blocks
+        snapshot.tier_offered_bytes = counters.offered_bytes
+        snapshot.tier_save_s = counters.save_s
+        snapshot.tier_install_s = counters.install_s
+        snapshot.tiers = stores
 
     def health(self) -> EngineHealth:
         thread = self._thread
@@ -121,6 +147,15 @@ class EngineCore:
             self._inbox.put(("close", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.offload is not None:  # after the last step: every written block is offered
+            try:
+                self.offload.close()
+            except Exception:  # a store that cannot flush loses entries, not the shutdown
+                logger.exception("closing the KV tiers failed")
+
+    def _wake(self) -> None:
+        """Called by the tier loader: a parked request can be scheduled."""
+        self._inbox.put(("wake", None))
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -149,7 +184,7 @@ class EngineCore:
 
     def _serve(self) -> None:
         while True:
-            block = not self.scheduler.has_unfinished()
+            block = not self.scheduler.has_work()
             try:
                 while True:
                     command, arg = self._inbox.get(block=block)
@@ -163,7 +198,7 @@ class EngineCore:
                         logger.exception("engine could not handle %s", command)
             except queue.Empty:
                 pass
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_work():
                 try:
                     self.step()
                 except Exception as exc:  # pinned on no request: fail those in flight
@@ -174,6 +209,8 @@ class EngineCore:
                 self._last_step_end = time.monotonic()
 
     def _handle(self, command: str, arg: Any) -> None:
+        if command == "wake":  # only ends a blocking wait: the loop steps next
+            return
         with self.lock:
             if command == "add":
                 if self._unhealthy is not None:
@@ -200,11 +237,12 @@ class EngineCore:
             for request, exc in batch.failed:
                 self._fail_request(request, exc)
             if not batch.chunks:
-                if not batch.failed:
+                if not batch.failed and self.scheduler.waiting:
                     self._fail_unschedulable()
                 return
             self._count(batch, time.perf_counter())
         result = self.runner.execute(batch)
+        self._save_to_tiers(batch)
         with self.lock:
             self._update(batch, result)
             stats = self.stats
@@ -214,6 +252,18 @@ class EngineCore:
             )
             stats.model_s += result.forward_s
             stats.step_s += time.perf_counter() - started
+
+    def _save_to_tiers(self, batch: SchedulerOutput) -> None:
+        """Offer the blocks this step's forward wrote (and the pool registered) to the tiers.
+
+        Runs before ``_update`` can finish a request and before the next step can reuse a
+        block, so the copy reads exactly what the forward wrote.
+        """
+        if self.offload is None:
+            return
+        with self.lock:
+            blocks = written_blocks(batch, self.kv.pool, self.kv.block_size)
+        self.offload.save_written(blocks)
 
     def _count(self, batch: SchedulerOutput, now: float) -> None:
         stats = self.stats

@@ -99,6 +99,17 @@ class KVCacheManager:
             self.record_lookup(len(token_ids), len(block_ids))
         return block_ids, len(block_ids) * self.block_size
 
+    def reusable_hashes(self, request: CacheRequest) -> tuple[list[bytes], list[bytes]]:
+        """``(hashes, inputs)`` of the request's blocks a prefix may reuse (Invariant 4 cap).
+
+        What a lower tier is asked for past the pool's prefix; the lists are the hasher's own
+        (do not mutate).
+        """
+        hasher = self._state(request).hasher
+        _catch_up(hasher, request.token_ids)
+        max_blocks = (len(request.token_ids) - 1) // self.block_size
+        return hasher.hashes[:max_blocks], hasher.inputs[:max_blocks]
+
     def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count one prefix lookup of ``num_tokens`` tokens that reused ``num_hit_blocks``."""
         stats = self._stats

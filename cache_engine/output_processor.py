@@ -117,6 +117,7 @@ class OutputProcessor:
                 prompt_tokens=request.num_prompt_tokens,
                 completion_tokens=request.num_output_tokens,
                 cached_tokens=request.num_cached_tokens or 0,
+                cached_tokens_by_tier=request.cached_tokens_by_tier,
                 reused_nonprefix_tokens=request.reused_nonprefix_tokens,
             ),
             timings=Timings(

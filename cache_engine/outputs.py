@@ -12,12 +12,17 @@ class Usage:
 
     ``cached_tokens`` is always an int (0 included) from the in-process engine; it is ``None``
     only when a remote server did not say (OpenAI-compatible servers may omit
-    ``prompt_tokens_details``): unknown, not 0.
+    ``prompt_tokens_details``): unknown, not 0. It counts every reused prompt token, from
+    the KV pool or from a KV tier. ``cached_tokens_by_tier`` splits it by where the tokens
+    came from (``{"pool": .., "host": .., "disk": ..}``, tiers that served none may be
+    absent) on an engine with KV tiers, and is None otherwise; it appears in the OpenAI
+    usage as the extension field ``prompt_tokens_details.cached_tokens_by_tier``.
     """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
+    cached_tokens_by_tier: dict[str, int] | None = None
     # Prompt tokens whose K/V was copied from another position (opt-in chunk reuse:
     # approximate); never part of ``cached_tokens``, which is exact prefix reuse only.
     reused_nonprefix_tokens: int = 0
@@ -36,6 +41,9 @@ class Usage:
         }
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            if self.cached_tokens_by_tier is not None:
+                by_tier = dict(self.cached_tokens_by_tier)
+                usage["prompt_tokens_details"]["cached_tokens_by_tier"] = by_tier
         if self.reused_nonprefix_tokens:  # a ragkv extension, only on approximate answers
             usage["reused_nonprefix_tokens"] = self.reused_nonprefix_tokens
         return usage
@@ -108,6 +116,20 @@ class EngineStats:
     num_blocks: int = 0
     num_free_blocks: int = 0
     peak_used_blocks: int = 0
+    # KV tiers (empty without them): reused prefix tokens by tier ("pool", "host", "disk"),
+    # blocks and bytes loaded back and the loader's seconds per tier, blocks and bytes
+    # offered to the tiers, stepping-thread seconds copying blocks out of / into the pool,
+    # and the stores' own counters (entries, bytes, misses: ``KVTiers.stats()``).
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    tier_loaded_blocks: dict[str, int] = field(default_factory=dict)
+    tier_loaded_bytes: dict[str, int] = field(default_factory=dict)
+    tier_load_s: dict[str, float] = field(default_factory=dict)
+    tier_load_misses: int = 0
+    tier_offered_blocks: int = 0
+    tier_offered_bytes: int = 0
+    tier_save_s: float = 0.0
+    tier_install_s: float = 0.0
+    tiers: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -119,6 +141,11 @@ class EngineStats:
     def overhead_share(self) -> float:
         """Share of step time spent outside the model forward (scheduling, hashing, sampling)."""
         return 1.0 - self.model_s / self.step_s if self.step_s else 0.0
+
+    def tier_load_latency_s(self, tier: str) -> float:
+        """Mean seconds to load (read and verify) one block from ``tier``; 0 before any."""
+        blocks = self.tier_loaded_blocks.get(tier, 0)
+        return self.tier_load_s.get(tier, 0.0) / blocks if blocks else 0.0
 
     @property
     def pool_usage(self) -> float:

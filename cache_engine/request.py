@@ -50,6 +50,7 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # the same by tier, when tiers are on
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

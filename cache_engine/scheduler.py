@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendPlan, ChunkIndex
 from ragkv.cache_engine.chunk_reuse.scheduling import (
@@ -85,6 +86,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_blend_fallbacks = 0  # opted-in requests run exactly: too big for one step
+        # KV tiers below the pool (an offload.KVOffload, set by the engine; None: off) and
+        # the requests parked while their tier loads run (see _park_for_tier_loads).
+        self.tiers: Any = None
+        self.loading: dict[str, Request] = {}
 
     # -- queue management -------------------------------------------------------------
     def blocks_needed(self, request: Request) -> int:
@@ -121,7 +126,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def has_work(self) -> bool:
+        """Whether a step now would schedule something (parked requests wait for loads)."""
+        return bool(self.waiting or self.running or self._any_loaded())
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and release its blocks (they stay cached until reused)."""
@@ -133,6 +142,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
         release_pins(self.kv, request)
+        self._forget_tier_loads(request)
         self.kv.free(request)
 
     # -- the step ---------------------------------------------------------------------
@@ -174,15 +184,21 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self._resume_loaded()
         if self.config.schedule_policy == "longest-prefix" and len(self.waiting) > 1:
             self._order_by_cached_prefix(out)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
-                blocks, num_computed = [], 0
+                blocks, num_computed, staged = [], 0, None
                 if self.config.enable_prefix_caching:
                     blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
-                plan = self._plan_blend(request, num_computed)
+                    if self.tiers is not None:
+                        if self._park_for_tier_loads(request, len(blocks)):
+                            continue
+                        staged = self.tiers.take(request, len(blocks))
+                num_loaded = len(staged) * self.kv.block_size if staged else 0
+                plan = self._plan_blend(request, num_computed + num_loaded)
                 allocated = None
                 if plan is not None:
                     if len(plan.positions) > budget:  # one step, whole: wait for room
@@ -190,11 +206,13 @@ class Scheduler:
                     num_new = len(plan.positions)
                     allocated = admit_blended(self.kv, request, plan, blocks, num_computed)
                 if allocated is None:  # the exact path (also when pinning left no room)
-                    num_new = min(request.num_tokens - num_computed, budget)
-                    allocated = self.kv.allocate_slots(request, num_new, blocks)
+                    num_new = min(request.num_tokens - num_computed - num_loaded, budget)
+                    allocated = self.kv.allocate_slots(request, num_loaded + num_new, blocks)
                     if allocated is not None and plan is not None:
                         self.num_blend_fallbacks += 1
                         plan = None
+                if allocated is not None and staged:
+                    self._install_loaded(request, staged, len(blocks))
             except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
                 self._fail(request, exc, out)
                 continue
@@ -203,11 +221,18 @@ class Scheduler:
             request.blend_tried = True
             if self.config.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
+                if self.tiers is not None:
+                    self.tiers.admitted(request, len(blocks))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            num_computed += num_loaded
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+                if self.tiers is not None:
+                    request.cached_tokens_by_tier = _tokens_by_tier(
+                        len(blocks) * self.kv.block_size, staged, self.kv.block_size
+                    )
             self.running.append(request)
             block_table = self.kv.block_table(request)
             if plan is None:
@@ -284,6 +309,43 @@ class Scheduler:
         ranked = sorted(self.waiting, key=lambda r: (-cached[r], r.arrival_time))
         self.waiting = deque(ranked)
 
+    # -- KV tiers (see cache_engine/offload.py) --------------------------------------------
+    def _park_for_tier_loads(self, request: Request, num_pool_blocks: int) -> bool:
+        """Park the head request while the tiers load the blocks after its pool prefix.
+
+        True when loads started: the request leaves ``waiting`` for ``loading`` and other
+        requests are scheduled meanwhile; :meth:`_resume_loaded` puts it back once its
+        payloads are staged in memory, and this is not asked again before it is admitted.
+        """
+        hashes, inputs = self.kv.reusable_hashes(request)
+        if not self.tiers.begin(request, hashes, inputs, num_pool_blocks):
+            return False
+        self.waiting.popleft()
+        self.loading[request.request_id] = request
+        return True
+
+    def _install_loaded(self, request: Request, staged: Any, num_pool_blocks: int) -> None:
+        """Copy staged tier payloads into the blocks just allocated after the pool prefix."""
+        table = self.kv.block_table(request)
+        self.tiers.install(request, staged, table[num_pool_blocks : num_pool_blocks + len(staged)])
+
+    def _resume_loaded(self) -> None:
+        """Parked requests whose loads are done go back to the front, oldest first."""
+        if not self.loading:
+            return
+        ready = [r for r in self.loading.values() if self.tiers.is_ready(r)]
+        for request in sorted(ready, key=lambda r: r.arrival_time, reverse=True):
+            del self.loading[request.request_id]
+            self.waiting.appendleft(request)
+
+    def _any_loaded(self) -> bool:
+        return any(self.tiers.is_ready(r) for r in self.loading.values())
+
+    def _forget_tier_loads(self, request: Request) -> None:
+        if self.tiers is not None:
+            self.loading.pop(request.request_id, None)
+            self.tiers.drop(request)
+
     def _fail(self, request: Request, exc: Exception, out: SchedulerOutput) -> None:
         """Take a request whose own processing raised out of the queues, alone.
 
@@ -301,6 +363,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = "abort"
         release_pins(self.kv, request)
+        self._forget_tier_loads(request)
         self.kv.discard(request, request.num_computed_tokens)
         out.failed.append((request, exc))
 
@@ -313,3 +376,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+
+def _tokens_by_tier(pool_tokens: int, staged: Any, block_size: int) -> dict[str, int]:
+    """A request's reused prompt tokens by where they came from (pool, host, disk)."""
+    counts = {"pool": pool_tokens}
+    if staged:
+        for tier, tokens in staged.tokens_by_tier(block_size).items():
+            counts[tier] = counts.get(tier, 0) + tokens
+    return counts

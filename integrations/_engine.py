@@ -11,7 +11,7 @@ from typing import Any
 from ragkv.assembler.template import render_chat
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
 from ragkv.cache_engine.engine_like import EngineLike
-from ragkv.errors import RequestAbortedError
+from ragkv.errors import InvalidInputError, RequestAbortedError
 
 _ENGINES: dict[tuple[Any, ...], Engine] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -32,6 +32,33 @@ def shared_engine(
             engine = Engine.from_pretrained(model, device=device, dtype=dtype)
             _ENGINES[key] = engine
         return engine
+
+
+_ENGINE_SURFACE = (
+    "tokenizer",
+    "block_size",
+    "model_name",
+    "generate",
+    "stream",
+    "agenerate",
+    "astream",
+)
+
+
+def check_engine(engine: Any) -> Any:
+    """``engine`` itself when it offers the :class:`EngineLike` surface (an in-process
+    :class:`Engine`, a ``RemoteEngine``, a replica router...), else :class:`InvalidInputError`
+    naming what it lacks. ``None`` passes (the adapter then loads its ``model``)."""
+    if engine is None:
+        return None
+    missing = [name for name in _ENGINE_SURFACE if not hasattr(engine, name)]
+    if missing:
+        raise InvalidInputError(
+            f"engine must offer the EngineLike surface (an Engine, a RemoteEngine or a replica "
+            f"router); {type(engine).__name__} lacks {', '.join(missing)}",
+            param="engine",
+        )
+    return engine
 
 
 def engine_for(adapter: Any) -> EngineLike:

@@ -13,14 +13,16 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from ragkv.cache_engine import Engine, Output, SamplingParams
+from ragkv.cache_engine import Output, SamplingParams
 from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.errors import InvalidInputError
 from ragkv.integrations._engine import (
     astream_until,
     chat_prompt_ids,
+    check_engine,
     engine_for,
     sampling_params,
     stream_until,
@@ -32,7 +34,8 @@ _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"
 class ChatRagKV(BaseChatModel):
     """Chat model backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
 
-    Pass a loaded ``engine`` to share it, or ``model`` (a local Hugging Face checkpoint
+    Pass a loaded ``engine`` to share it (or any ``EngineLike``: a ``RemoteEngine`` in front
+    of vLLM, SGLang or ``ragkv serve``), or ``model`` (a local Hugging Face checkpoint
     directory; ``None``: the embedded SmolLM2-135M-Instruct) to load one lazily; models with
     the same settings share one engine per process. Messages become a prompt through the
     tokenizer's chat template. ``usage_metadata.input_token_details["cache_read"]`` is the
@@ -44,7 +47,8 @@ class ChatRagKV(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    engine: Engine | None = Field(default=None, exclude=True, repr=False)
+    # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (checked below).
+    engine: Any = Field(default=None, exclude=True, repr=False)
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
@@ -59,11 +63,16 @@ class ChatRagKV(BaseChatModel):
     cache_salt: str | None = None
     streaming: bool = False
 
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, engine: Any) -> Any:
+        return check_engine(engine)
+
     @property
     def _llm_type(self) -> str:
         return "ragkv"
 
-    def get_engine(self) -> Engine:
+    def get_engine(self) -> EngineLike:
         """The engine this model runs on (loaded on first use when only ``model`` was given)."""
         return engine_for(self)
 
@@ -164,7 +173,7 @@ class ChatRagKV(BaseChatModel):
 
     def _request(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Engine, list[int], SamplingParams, str | None]:
+    ) -> tuple[EngineLike, list[int], SamplingParams, str | None]:
         engine = self.get_engine()
         prompt = chat_prompt_ids(engine.tokenizer, [_to_chat(m) for m in messages])
         salt = kwargs.get("cache_salt", self.cache_salt)

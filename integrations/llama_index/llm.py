@@ -17,14 +17,17 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from ragkv.cache_engine import Engine, Output, SamplingParams
+from ragkv.cache_engine import Output, SamplingParams
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.integrations._engine import (
     astream_until,
     chat_prompt_ids,
+    check_engine,
     engine_for,
     sampling_params,
     stream_until,
@@ -34,8 +37,9 @@ from ragkv.integrations._engine import (
 class RagKVLLM(CustomLLM):
     """LlamaIndex LLM backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
 
-    Pass a loaded ``engine``, or ``model`` (local checkpoint directory; ``None``: the embedded
-    SmolLM2-135M-Instruct) to load one lazily, shared per process. ``chat`` and unformatted
+    Pass a loaded ``engine`` (any ``EngineLike``, a ``RemoteEngine`` included), or ``model``
+    (local checkpoint directory; ``None``: the embedded SmolLM2-135M-Instruct) to load one
+    lazily, shared per process. ``chat`` and unformatted
     ``complete`` prompts go through the tokenizer's chat template; ``complete(...,
     formatted=True)`` sends the text as is. Every response has ``raw["usage"]`` in the OpenAI
     shape (``prompt_tokens_details.cached_tokens`` included) and ``prompt_tokens``,
@@ -55,11 +59,16 @@ class RagKVLLM(CustomLLM):
     timeout: float | None = None
     cache_salt: str | None = None
 
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, engine: Any) -> Any:
+        return check_engine(engine)
+
     @classmethod
     def class_name(cls) -> str:
         return "RagKVLLM"
 
-    def get_engine(self) -> Engine:
+    def get_engine(self) -> EngineLike:
         """The engine this LLM runs on (loaded on first use when only ``model`` was given)."""
         return engine_for(self)
 
@@ -67,7 +76,8 @@ class RagKVLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         engine = self.get_engine()
         return LLMMetadata(
-            context_window=engine.max_model_len,
+            # A remote engine does not know the server's context: LlamaIndex's default then.
+            context_window=getattr(engine, "max_model_len", None) or DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_tokens,
             is_chat_model=True,
             model_name=engine.model_name,

@@ -103,6 +103,7 @@ def output_of(
             prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
             completion_tokens=usage.get("completion_tokens", len(token_ids)),
             cached_tokens=details.get("cached_tokens"),
+            cached_tokens_by_tier=_tokens_by_tier(details.get("cached_tokens_by_tier")),
         ),
         # The queue time is the server's secret; first-token and total are seen from here.
         timings=Timings(queue_s=math.nan, ttft_s=(first_token or end) - start, total_s=end - start),
@@ -142,3 +143,12 @@ def _error_status(body: dict[str, Any]) -> int | None:
     error = body.get("error")
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, int) else None
+
+
+def _tokens_by_tier(value: Any) -> dict[str, int] | None:
+    """ragkv's ``prompt_tokens_details.cached_tokens_by_tier`` extension, if well formed."""
+    if not isinstance(value, dict):
+        return None
+    if not all(isinstance(k, str) and type(v) is int for k, v in value.items()):
+        return None
+    return dict(value)

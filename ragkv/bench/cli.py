@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ragkv.bench.lanes import BLEND_LANE, LANES
-from ragkv.cache_engine.config import DEFAULTS
+from ragkv.bench.lanes import ALL_LANES, BLEND_LANE, LANES, TIERS_LANE
+from ragkv.cache_engine.config import DEFAULTS, KV_TIER_WRITE_POLICIES
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
@@ -45,7 +45,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="generated tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight per lane")
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
-    p.add_argument("--lanes", default=",".join(LANES), help="comma-separated subset of lanes")
+    p.add_argument(
+        "--lanes",
+        default=",".join(LANES),
+        help=f"comma-separated lanes (default {','.join(LANES)}; also: "
+        f"{', '.join(n for n in ALL_LANES if n not in LANES)})",
+    )
     p.add_argument(
         "--reuse",
         choices=("blend",),
@@ -85,6 +90,26 @@ def add_parser(subparsers: Any) -> None:
     t = p.add_argument_group("trace workload")
     t.add_argument("--trace", help="JSONL file, one request per line (segment ids by role)")
     t.add_argument("--lengths", help="JSON object {segment id: token length}")
+    k = p.add_argument_group(f"KV tiers (the {TIERS_LANE} lane; a tier flag adds the lane)")
+    k.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        help="host-memory tier (default: room for every distinct block of the workload)",
+    )
+    k.add_argument("--kv-store-dir", help="disk tier directory (default: none; with --restart a "
+                   "temporary one)")  # fmt: skip
+    k.add_argument("--kv-store-bytes", type=int, default=DEFAULTS.kv_store_bytes)
+    k.add_argument(
+        "--kv-tier-write-policy",
+        choices=KV_TIER_WRITE_POLICIES,
+        default=DEFAULTS.kv_tier_write_policy,
+        help="host evictions go to disk (write-back) or blocks seen twice go at once",
+    )
+    k.add_argument(
+        "--restart",
+        action="store_true",
+        help=f"run {TIERS_LANE} twice, the second time on a new engine over the same store",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout)")
     o.add_argument("--plot", metavar="FILE.png", help="plot tokens and TTFT (needs ragkv[bench])")
@@ -148,9 +173,6 @@ def _run(args: argparse.Namespace) -> int:
     from ragkv.bench.runner import BenchConfig, run_bench
 
     workload = build_workload(args)
-    lanes = [name.strip() for name in args.lanes.split(",") if name.strip()]
-    if args.reuse == "blend" and BLEND_LANE not in lanes:
-        lanes.append(BLEND_LANE)
     config = BenchConfig(
         model=args.model,
         device=args.device,
@@ -160,9 +182,14 @@ def _run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         order=args.order,
-        lanes=lanes,
+        lanes=bench_lanes(args),
         blend_k=args.blend_k,
         progress=not args.no_progress,
+        host_cache_bytes=args.host_cache_bytes,
+        kv_store_dir=args.kv_store_dir,
+        kv_store_bytes=args.kv_store_bytes,
+        kv_tier_write_policy=args.kv_tier_write_policy,
+        restart=args.restart,
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))
     if args.json == "-":
@@ -176,11 +203,23 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
 
 
+def bench_lanes(args: argparse.Namespace) -> list[str]:
+    """``--lanes``, plus the tiers lane when a tier flag asks for it, and the chunk reuse
+    lane with ``--reuse blend``."""
+    lanes = [name.strip() for name in args.lanes.split(",") if name.strip()]
+    wants_tiers = args.host_cache_bytes is not None or args.kv_store_dir is not None
+    if wants_tiers and TIERS_LANE not in lanes:
+        lanes.append(TIERS_LANE)
+    if args.reuse == "blend" and BLEND_LANE not in lanes:
+        lanes.append(BLEND_LANE)
+    return lanes
+
+
 def _print_estimate(args: argparse.Namespace, workload: Any) -> Any:
     """Print the ETA (to stderr, so ``--json -`` stays clean) before the lanes start."""
 
     def show(seconds: float) -> None:
-        lanes = args.lanes.count(",") + 1 + (args.reuse == "blend")
+        lanes = len(bench_lanes(args))
         print(
             f"ragkv bench: {lanes} lanes x {len(workload.requests)} {workload.name} requests, "
             f"estimated {seconds / 60:.1f} min on this machine (calibrated by one prefill)",

@@ -1,4 +1,4 @@
-"""The four benchmark lanes and the replay loop that runs a workload through one of them.
+"""The benchmark lanes and the replay loop that runs a workload through one of them.
 
 Every lane is a :class:`ragkv.Pipeline` on its own fresh :class:`Engine` (same model,
 dtype, block size and KV pool), so all lanes start cold and build prompts with the same
@@ -11,7 +11,14 @@ no-cache       off               retrieval                    no    no
 apc            on                retrieval                    no    no
 apc+assembler  on                stable-first / cache-aware   no    yes
 ragkv          on                stable-first / cache-aware   yes   yes
+ragkv+tiers    on, + KV tiers    stable-first / cache-aware   yes   yes
 ============== ================= ============================ ===== ======================
+
+``ragkv+tiers`` (opt-in: name it in ``--lanes``) is the ``ragkv`` lane with the same pool and
+KV tiers below it (host memory, and disk with a store directory). With ``--restart`` it
+runs twice: the second run, ``ragkv+tiers/restart``, is a new engine on the same store.
+``ragkv/unbounded`` (opt-in) is the ``ragkv`` lane with a pool that holds every distinct
+block of the workload: what the tiers can at best recover.
 
 ``ragkv bench --reuse blend`` adds an opt-in fifth lane, ``ragkv+blend``: the ``ragkv``
 lane's own prompts (token ids and chunk spans, the same follow-up histories) replayed on a
@@ -41,6 +48,10 @@ from ragkv.errors import ConfigError
 
 LANES = ("no-cache", "apc", "apc+assembler", "ragkv")
 BLEND_LANE = "ragkv+blend"  # opt-in (--reuse blend): replays the ragkv lane's prompts
+TIERS_LANE = "ragkv+tiers"
+RESTART_LANE = "ragkv+tiers/restart"
+UNBOUNDED_LANE = "ragkv/unbounded"
+ALL_LANES = (*LANES, TIERS_LANE, UNBOUNDED_LANE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,8 @@ class LaneSpec:
     order: str
     dedup: bool
     demote_invalidators: bool
+    tiers: bool = False  # KV tiers below the pool (host memory, disk)
+    unbounded_pool: bool = False  # a pool that holds every distinct block (a reference)
     reuse: bool = False  # position-independent chunk reuse (approximate)
 
 
@@ -62,12 +75,15 @@ def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list
         "apc": LaneSpec("apc", True, "retrieval", False, False),
         "apc+assembler": LaneSpec("apc+assembler", True, order, False, True),
         "ragkv": LaneSpec("ragkv", True, order, True, True),
+        TIERS_LANE: LaneSpec(TIERS_LANE, True, order, True, True, tiers=True),
+        RESTART_LANE: LaneSpec(RESTART_LANE, True, order, True, True, tiers=True),
+        UNBOUNDED_LANE: LaneSpec(UNBOUNDED_LANE, True, order, True, True, unbounded_pool=True),
         BLEND_LANE: LaneSpec(BLEND_LANE, True, order, True, True, reuse=True),
     }
     unknown = [n for n in names if n not in table]
     if unknown or not names:
         raise ConfigError(
-            f"unknown lane(s) {unknown}; choose from {', '.join((*LANES, BLEND_LANE))}"
+            f"unknown lane(s) {unknown}; choose from {', '.join((*ALL_LANES, BLEND_LANE))}"
         )
     return [table[n] for n in names]
 

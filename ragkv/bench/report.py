@@ -67,6 +67,8 @@ def lane_summary(result: LaneResult) -> dict[str, Any]:
         "prefix_caching": result.spec.prefix_caching,
         "order": result.spec.order,
         "dedup": result.spec.dedup,
+        "tiers": result.spec.tiers,
+        "tier_hit_tokens": dict(stats.tier_hit_tokens),  # reused tokens by tier (tiers lanes)
     }
 
 
@@ -133,6 +135,7 @@ def ratios(lanes: dict[str, dict[str, Any]], kind: str = "synthetic") -> dict[st
             )
         if b["ttft_p50_s"]:
             out[f"ttft_p50_ragkv_vs_{tag}"] = ragkv["ttft_p50_s"] / b["ttft_p50_s"]
+    out.update(tier_ratios(lanes))
     apc = lanes.get("apc")
     if apc is not None:
         out["never_worse_than_apc"] = {
@@ -161,6 +164,25 @@ def blend_ratios(results: Sequence[LaneResult]) -> dict[str, float]:
     pairs = list(zip(exact.records, blend.records, strict=True))
     same = sum(a.token_ids == b.token_ids for a, b in pairs)
     out["greedy_agreement_blend_vs_ragkv"] = same / len(pairs) if pairs else 1.0
+    return out
+
+
+def tier_ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The KV tiers lane against ragkv (same pool), the unbounded pool, and its restart."""
+    out: dict[str, float] = {}
+    tiers = lanes.get("ragkv+tiers")
+    if tiers is None:
+        return out
+    computed = tiers["prefill_tokens_computed"]
+    for base, tag in (("ragkv", "ragkv"), ("ragkv/unbounded", "unbounded")):
+        if base in lanes and lanes[base]["prefill_tokens_computed"]:
+            out[f"prefill_tiers_vs_{tag}"] = computed / lanes[base]["prefill_tokens_computed"]
+    restart = lanes.get("ragkv+tiers/restart")
+    if restart is not None:
+        if computed:
+            out["prefill_restart_vs_first"] = restart["prefill_tokens_computed"] / computed
+        if tiers["ttft_p50_s"]:
+            out["ttft_p50_restart_vs_first"] = restart["ttft_p50_s"] / tiers["ttft_p50_s"]
     return out
 
 

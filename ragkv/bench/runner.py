@@ -13,6 +13,9 @@ from typing import Any
 from ragkv.bench.lanes import (
     BLEND_LANE,
     LANES,
+    RESTART_LANE,
+    TIERS_LANE,
+    UNBOUNDED_LANE,
     LaneResult,
     LaneSpec,
     lane_specs,
@@ -42,6 +45,14 @@ class BenchConfig:
     lanes: Sequence[str] = LANES
     progress: bool = False
     keep_answers: bool = False
+    # The ragkv+tiers lane: host tier bytes (None: room for every distinct block of the
+    # workload), disk tier directory (None: host only, or a temporary one with restart),
+    # disk tier bytes; restart: run the lane again on a new engine over the same store.
+    host_cache_bytes: int | None = None
+    kv_store_dir: str | None = None
+    kv_store_bytes: int = DEFAULTS.kv_store_bytes
+    kv_tier_write_policy: str = DEFAULTS.kv_tier_write_policy
+    restart: bool = False
     blend_k: int | None = None  # the ragkv+blend lane's first-k (None: BlendConfig's default)
 
 
@@ -166,6 +177,9 @@ def estimate_seconds(
         "apc": profile.sent_tokens,
         "apc+assembler": (profile.sent_tokens + profile.distinct_tokens) / 2,
         "ragkv": profile.distinct_tokens,
+        "ragkv+tiers": profile.distinct_tokens,
+        "ragkv+tiers/restart": profile.distinct_tokens,
+        "ragkv/unbounded": profile.distinct_tokens,
         BLEND_LANE: profile.distinct_tokens / 2,
     }
     prefill = sum(computed.get(name, profile.sent_tokens) for name in lanes) * per_token_s
@@ -191,8 +205,11 @@ def run_bench(
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
     kv_tokens = config.kv_cache_tokens
+    names = with_restart(config.lanes, config.restart)
+    needs_profile = TIERS_LANE in names and config.host_cache_bytes is None
+    needs_profile = needs_profile or UNBOUNDED_LANE in names
     profile = None
-    if kv_tokens is None or on_estimate is not None:
+    if kv_tokens is None or on_estimate is not None or needs_profile:
         tokenizer = AutoTokenizer.from_pretrained(path)
         profile = profile_workload(
             workload, tokenizer, config.block_size, config.max_tokens, config.order
@@ -209,12 +226,30 @@ def run_bench(
         max_num_seqs=max(config.concurrency, 1),
     )
 
+    store = _store_dir(config, names)
+    tier_settings = {}
+    if TIERS_LANE in names:
+        host = config.host_cache_bytes
+        if host is None:  # room for every distinct block (a quarter more for headroom)
+            host = int(profile.distinct_tokens * 1.25) * kv_bytes_per_token(path, dtype)
+        tier_settings = {
+            "host_cache_bytes": host,
+            "kv_store_dir": store.name if store is not None else None,
+            "kv_store_bytes": config.kv_store_bytes,
+            "kv_tier_write_policy": config.kv_tier_write_policy,
+        }
+
     def make_engine(spec: LaneSpec) -> Any:
-        engine = Engine(engine_config.replace(enable_prefix_caching=spec.prefix_caching))
+        changes: dict[str, Any] = {"enable_prefix_caching": spec.prefix_caching}
+        if spec.tiers:
+            changes.update(tier_settings)
+        if spec.unbounded_pool:
+            changes["kv_cache_tokens"] = max(kv_tokens, profile.kv_tokens(config.block_size, 1.25))
+        engine = Engine(engine_config.replace(**changes))
         model_name[0] = engine.model_name
         return engine
 
-    lanes = lane_specs(config.lanes, config.order)
+    lanes = lane_specs(names, config.order)
     if on_estimate is not None and profile is not None:
         t0 = time.perf_counter()
         probe = make_engine(lanes[0])
@@ -267,6 +302,9 @@ def run_bench(
         raise PromptTooLongError(
             f"{exc}. For the bench: lower --chunk-size or --top-k, or use a longer-context model"
         ) from exc
+    finally:
+        if store is not None:
+            store.cleanup()
     machine = machine_info(
         {
             "model": model_name[0],
@@ -277,6 +315,54 @@ def run_bench(
             "max_tokens": config.max_tokens,
             "concurrency": config.concurrency,
             "order": config.order,
+            **{k: v for k, v in tier_settings.items() if k != "kv_store_dir"},
         }
     )
     return build_report(results, workload, machine), results
+
+
+def with_restart(lanes: Sequence[str], restart: bool) -> list[str]:
+    """The lanes to run: with ``restart``, the tiers lane is followed by its restart run."""
+    names = list(lanes)
+    if restart:
+        if TIERS_LANE not in names:
+            names.append(TIERS_LANE)
+        if RESTART_LANE not in names:
+            names.insert(names.index(TIERS_LANE) + 1, RESTART_LANE)
+    return names
+
+
+class _Store:
+    """The tiers lane's store directory: the given one, or a temporary one (removed after)."""
+
+    def __init__(self, name: str, temporary: Any = None) -> None:
+        self.name, self._temporary = name, temporary
+
+    def cleanup(self) -> None:
+        if self._temporary is not None:
+            self._temporary.cleanup()
+
+
+def _store_dir(config: BenchConfig, names: Sequence[str]) -> _Store | None:
+    if config.kv_store_dir is not None:
+        return _Store(str(Path(config.kv_store_dir).expanduser()))
+    if RESTART_LANE in names:  # a restart needs a disk tier
+        import tempfile
+
+        temporary = tempfile.TemporaryDirectory(prefix="ragkv-bench-store-")
+        return _Store(temporary.name, temporary)
+    return None
+
+
+def kv_bytes_per_token(path: Path, dtype: str) -> int:
+    """Bytes of K/V one token takes in the pool, from the checkpoint's config.json."""
+    import torch
+
+    from ragkv.cache_engine.model_support import read_config
+
+    config = read_config(path)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * element

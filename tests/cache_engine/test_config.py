@@ -28,6 +28,11 @@ from ragkv.errors import ConfigError
         ({"schedule_policy": "random"}, "schedule_policy"),
         ({"backend": "cuda"}, "backend"),
         ({"device": "tpu"}, "device"),
+        ({"host_cache_bytes": -1}, "host_cache_bytes"),
+        ({"kv_store_bytes": 0}, "kv_store_bytes"),
+        ({"kv_store_dir": ""}, "kv_store_dir"),
+        ({"kv_store_dir": __file__}, "kv_store_dir"),  # a file, not a directory
+        ({"kv_tier_write_policy": "write-around"}, "kv_tier_write_policy"),
     ],
 )
 def test_an_impossible_setting_is_a_config_error_naming_it(setting, param):
@@ -60,3 +65,10 @@ def test_import_ragkv_exports_the_engine_names_without_importing_torch():
         "assert ragkv.Engine.__name__ == 'Engine' and ragkv.SamplingParams().max_tokens == 16"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tiers_are_off_by_default_and_on_with_a_host_tier_or_a_store():
+    assert not DEFAULTS.tiers_enabled
+    assert EngineConfig(host_cache_bytes=1 << 20).tiers_enabled
+    assert EngineConfig(kv_store_dir="/tmp/ragkv-store").tiers_enabled
+    assert not EngineConfig(host_cache_bytes=1, enable_prefix_caching=False).tiers_enabled

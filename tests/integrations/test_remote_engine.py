@@ -227,3 +227,40 @@ def test_a_stream_without_usage_still_finishes_with_unknown_cache():
     deltas = list(scripted(Script(httpx.Response(200, content=body))).stream([1, 2], PARAMS))
     assert [d.text for d in deltas] == ["a", "b"]
     assert deltas[-1].output.text == "ab" and deltas[-1].output.usage.cached_tokens is None
+
+
+def test_framework_adapters_run_on_a_remote_engine(remote, serve_engine):
+    """ChatRagKV and RagKVLLM take any EngineLike, not only the in-process Engine."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from langchain_core.messages import HumanMessage
+
+    from ragkv.integrations.langchain import ChatRagKV
+    from ragkv.integrations.llama_index import RagKVLLM
+
+    chat = ChatRagKV(engine=remote, max_tokens=4)
+    message = chat.invoke([HumanMessage("tell me about paged attention")])
+    assert 1 <= message.usage_metadata["output_tokens"] <= 4
+    assert isinstance(message.usage_metadata["input_token_details"]["cache_read"], int)
+
+    llm = RagKVLLM(engine=remote, max_tokens=4)
+    assert llm.metadata.context_window > 0
+    assert (
+        llm.complete("hello", formatted=True).text
+        == serve_engine.generate(
+            list(serve_engine.tokenizer("hello", add_special_tokens=False)["input_ids"]),
+            SamplingParams(max_tokens=4, temperature=0.0),
+        ).text
+    )
+
+
+def test_framework_adapters_refuse_an_object_that_is_not_an_engine():
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from ragkv.errors import InvalidInputError
+    from ragkv.integrations.langchain import ChatRagKV
+    from ragkv.integrations.llama_index import RagKVLLM
+
+    for adapter in (ChatRagKV, RagKVLLM):
+        with pytest.raises((InvalidInputError, ValueError), match="EngineLike"):
+            adapter(engine=object())

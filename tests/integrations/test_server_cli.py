@@ -57,3 +57,16 @@ def test_engine_flags_default_to_the_one_engine_config():
     )
     for dtype in DTYPES:
         assert parse("--dtype", dtype).dtype == dtype
+
+
+def test_kv_tier_flags_default_to_the_engine_config_and_parse():
+    from ragkv.cache_engine.config import DEFAULTS
+
+    args = parse()
+    assert (args.host_cache_bytes, args.kv_store_dir, args.kv_store_bytes) == (
+        DEFAULTS.host_cache_bytes,
+        DEFAULTS.kv_store_dir,
+        DEFAULTS.kv_store_bytes,
+    )
+    args = parse("--host-cache-bytes", "1024", "--kv-store-dir", "/tmp/s", "--kv-store-bytes", "99")
+    assert (args.host_cache_bytes, args.kv_store_dir, args.kv_store_bytes) == (1024, "/tmp/s", 99)

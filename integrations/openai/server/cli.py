@@ -90,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens
     )
+    add_tier_flags(parser)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument(
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
@@ -151,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        host_cache_bytes=args.host_cache_bytes,
+        kv_store_dir=args.kv_store_dir,
+        kv_store_bytes=args.kv_store_bytes,
     )
     engine = Engine(config)
     with engine:
@@ -168,6 +172,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     return 0
+
+
+def add_tier_flags(parser: argparse.ArgumentParser) -> None:
+    """``--host-cache-bytes``, ``--kv-store-dir``, ``--kv-store-bytes`` (serve and bench)."""
+    parser.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        default=DEFAULTS.host_cache_bytes,
+        help="KV tier in host memory for blocks evicted from the pool (default 0: off)",
+    )
+    parser.add_argument(
+        "--kv-store-dir",
+        default=DEFAULTS.kv_store_dir,
+        help="KV tier on disk: a directory that keeps cached prefixes across restarts",
+    )
+    parser.add_argument(
+        "--kv-store-bytes",
+        type=int,
+        default=DEFAULTS.kv_store_bytes,
+        help=f"bytes the disk tier may hold (default {DEFAULTS.kv_store_bytes >> 30} GiB)",
+    )
 
 
 def load_api_keys(path: Path) -> dict[str, str]:

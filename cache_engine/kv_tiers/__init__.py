@@ -1,0 +1,21 @@
+"""KV tiers below the block pool: host memory, then disk, every load verified.
+
+A block evicted from the KV pool can live on in host memory (:class:`HostStore`) and on disk
+(:class:`DiskStore`), keyed by its chained block hash and verified on the way back against
+its full hash input and a payload checksum (ARCHITECTURE.md, Invariant 7).
+:class:`KVTiers` puts the two together behind a non-blocking write queue.
+"""
+
+from ragkv.cache_engine.kv_tiers.block_store import BlockStore
+from ragkv.cache_engine.kv_tiers.host_store import HostStore
+from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
+from ragkv.cache_engine.kv_tiers.tiers import DEFAULT_WRITE_POLICY, WRITE_POLICIES, KVTiers
+
+__all__ = [
+    "DEFAULT_WRITE_POLICY",
+    "WRITE_POLICIES",
+    "BlockStore",
+    "HostStore",
+    "KVTiers",
+    "TierStats",
+]

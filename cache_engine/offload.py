@@ -1,0 +1,472 @@
+"""The engine's side of the KV tiers: blocks out of the pool after a step, back in at admission.
+
+The stores themselves (host memory, disk, verification) live in
+:mod:`ragkv.cache_engine.kv_tiers`; this module moves K/V between them and the pool.
+
+Write path (:meth:`KVOffload.save_written`, stepping thread, right after the forward)::
+
+    blocks the step wrote and the pool registered  ->  one gather per layer  ->  CPU payloads
+    -> KVTiers.offer (non-blocking: the store's worker keeps them)
+
+Only blocks that the step's forward just filled *and* that the pool registered under their
+hash are offered: never K/V that was not written (a failed step offers nothing, a request
+discarded while scheduling is not in the batch), never an unregistered private copy, and
+never approximate (non-prefix) chunk reuse, which is not registered. The gather runs in the
+stepping thread before the next step can reuse a block, so no block is pinned; on CPU it is
+a memory copy of ~0.7 MB per block of the default model, a few per cent of the forward that
+wrote it (README, "Benchmark"). On CUDA the gather runs on the compute stream (so it reads
+the blocks before any later step can overwrite them) and the copy to pinned host memory on
+a side stream; the offer carries the copy's event, which the tiers' writer waits on before
+reading (this CUDA path is untested here: no GPU in CI).
+
+Read path (the scheduler drives it, stepping thread)::
+
+    pool prefix ends at block i  ->  begin(): KVTiers.lookup(hashes[i:cap])   (cheap, unverified)
+      nothing there -> admit as usual
+      a run there   -> the request is parked; a loader thread loads (and verifies) the run
+                       into CPU staging, stopping at the first miss, then wakes the engine
+    parked request ready -> take(): staged payloads continuing the pool prefix
+      -> allocate pool blocks -> install(): copy into them (all layers); the pool registers
+         them, so later requests hit the pool -> prefill starts after the last loaded token
+
+So a step never waits for another request's loads: the slow part (reading, checksumming)
+runs in the loader thread while the engine keeps stepping other requests, and the request
+is scheduled only once its payloads are in memory; the copy into the pool is a memory copy
+in the stepping thread. Staged payloads are bounded (at most the pool's size in blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine.block_pool import BlockPool
+    from ragkv.cache_engine.config import EngineConfig
+    from ragkv.cache_engine.model_runner import ModelRunner
+    from ragkv.cache_engine.request import Request
+    from ragkv.cache_engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+POOL = "pool"  # the tier name of a prefix block found in the KV pool itself
+
+
+def open_tiers(config: EngineConfig, runner: ModelRunner) -> Any:
+    """The configured :class:`~ragkv.cache_engine.kv_tiers.KVTiers` (host and/or disk).
+
+    The disk store is namespaced by the model identity, a fingerprint of the weights, the
+    dtype, the block size, the hash algorithm and the payload layout (Invariant 7), so a
+    changed checkpoint at the same path, or another engine setup, never reads old entries.
+    """
+    from ragkv.cache_engine.kv_tiers import HostStore, KVTiers
+
+    pinned = runner.device.type == "cuda"
+    host = (
+        HostStore(config.host_cache_bytes, pin_memory=pinned) if config.host_cache_bytes else None
+    )
+    disk = None
+    if config.kv_store_dir is not None:
+        from ragkv.cache_engine.kv_tiers import DiskStore, StoreNamespace, weights_fingerprint
+
+        namespace = StoreNamespace(
+            model_identity=runner.identity.decode(),
+            weights_fingerprint=weights_fingerprint(runner.path),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            block_size=runner.block_size,
+            hash_algo=config.hash_algo,
+            layout=payload_layout(runner),
+        )
+        disk = DiskStore(config.kv_store_dir, config.kv_store_bytes, namespace)
+    return KVTiers(
+        host,
+        disk,
+        write_policy=config.kv_tier_write_policy,
+        salted_to_disk=config.kv_store_salted,
+    )
+
+
+def payload_layout(runner: ModelRunner) -> str:
+    """The payload's shape as a name: ``[layers, 2 (K, V), block_size, kv_heads, head_dim]``."""
+    shape = payload_shape(runner)
+    return "LKVBHD:" + "x".join(map(str, shape))
+
+
+def payload_shape(runner: ModelRunner) -> tuple[int, ...]:
+    return (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
+
+
+@dataclass(slots=True)
+class WrittenBlock:
+    """A pool block the last step filled and registered: what the tiers may keep."""
+
+    block_id: int
+    block_hash: bytes
+    hash_input: bytes
+    salted: bool
+
+
+def written_blocks(batch: SchedulerOutput, pool: BlockPool, block_size: int) -> list[WrittenBlock]:
+    """Blocks that became full in this step's slices and are the pool's registered copy.
+
+    A slice ``[start, end)`` completes blocks ``start // block_size .. end // block_size - 1``
+    (those holding one of its tokens and ending by ``end``). Call after the forward ran.
+    """
+    out: list[WrittenBlock] = []
+    for chunk in batch.chunks:
+        salted = chunk.request.salt_digest is not None
+        for i in range(chunk.start // block_size, chunk.end // block_size):
+            block_id = chunk.block_table[i]
+            block_hash = pool.block_hash[block_id]
+            if block_hash is None or pool.cached.get(block_hash) != block_id:
+                continue  # unregistered: a private copy, or never to be shared
+            out.append(WrittenBlock(block_id, block_hash, pool.hash_input[block_id], salted))
+    return out
+
+
+@dataclass(slots=True)
+class StagedBlocks:
+    """Verified payloads of blocks ``first_block ..`` of one request, loaded from the tiers."""
+
+    first_block: int
+    hashes: list[bytes]
+    payloads: list[torch.Tensor]
+    tiers: list[str]
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tier in self.tiers:
+            counts[tier] = counts.get(tier, 0) + block_size
+        return counts
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What the engine moved between the pool and the tiers (see ``EngineStats``)."""
+
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # reused, by tier
+    loaded_blocks: dict[str, int] = field(default_factory=dict)
+    loaded_bytes: dict[str, int] = field(default_factory=dict)
+    load_s: dict[str, float] = field(default_factory=dict)  # loader-thread seconds, by tier
+    load_misses: int = 0  # lookups that promised a block the verified load did not give
+    offered_blocks: int = 0
+    offered_bytes: int = 0
+    save_s: float = 0.0  # stepping-thread seconds copying new blocks out of the pool
+    install_s: float = 0.0  # stepping-thread seconds copying loaded blocks into the pool
+    save_errors: int = 0
+
+    def copy(self) -> TierCounters:
+        return TierCounters(
+            dict(self.hit_tokens),
+            dict(self.loaded_blocks),
+            dict(self.loaded_bytes),
+            dict(self.load_s),
+            self.load_misses,
+            self.offered_blocks,
+            self.offered_bytes,
+            self.save_s,
+            self.install_s,
+            self.save_errors,
+        )
+
+
+@dataclass(slots=True)
+class _Job:
+    request_id: str
+    first_block: int
+    hashes: list[bytes]
+    inputs: list[bytes]
+
+
+class KVOffload:
+    """Moves K/V between one engine's pool and its :class:`KVTiers`; owns the loader thread.
+
+    ``wake`` is called (from the loader thread) when a parked request's loads are done, so
+    an idle stepping thread picks it up at once.
+    """
+
+    def __init__(
+        self,
+        tiers: Any,
+        runner: ModelRunner,
+        *,
+        max_staged_blocks: int,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.tiers = tiers
+        self.kv_caches = runner.kv_caches
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.block_size = runner.block_size
+        self.shape = payload_shape(runner)
+        self.block_bytes = runner.bytes_per_block()
+        self.max_staged_blocks = max_staged_blocks
+        self.wake = wake
+        self.counters = TierCounters()
+        self._lock = threading.Lock()  # guards the dicts below and the counters
+        self._probed: set[str] = set()  # looked up since their last admission
+        self._loading: dict[str, int] = {}  # request id -> blocks reserved for its job
+        self._ready: dict[str, StagedBlocks] = {}
+        self._staged_blocks = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._loader: threading.Thread | None = None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # -- write path (stepping thread) ----------------------------------------------------
+    def save_written(self, blocks: Sequence[WrittenBlock]) -> None:
+        """Copy ``blocks`` out of the pool and offer them to the tiers; never raises."""
+        started = time.perf_counter()
+        try:
+            if blocks:
+                self._save(blocks)
+        except Exception:  # the tiers are a cache: a failed save costs hits, not requests
+            logger.exception("could not offer %d blocks to the KV tiers", len(blocks))
+            with self._lock:
+                self.counters.save_errors += 1
+        with self._lock:
+            self.counters.save_s += time.perf_counter() - started
+
+    def _save(self, blocks: Sequence[WrittenBlock]) -> None:
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=self.device)
+        if self._copy_stream is None:
+            payloads = self._gather(ids, torch.device("cpu"))
+            self._offer(blocks, payloads)
+            return
+        staged = self._gather(ids, self.device)  # on the compute stream: before any reuse
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(staged.shape, dtype=self.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        staged.record_stream(stream)
+        self._offer(blocks, host, ready=done)
+
+    def _gather(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``[n, layers, 2, block_size, kv_heads, head_dim]``: one gather per layer and K/V."""
+        out = torch.empty((len(ids), *self.shape), dtype=self.dtype, device=device)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            out[:, layer, 0] = k_cache.index_select(0, ids)
+            out[:, layer, 1] = v_cache.index_select(0, ids)
+        return out
+
+    def _offer(
+        self, blocks: Sequence[WrittenBlock], payloads: torch.Tensor, ready: Any = None
+    ) -> None:
+        extra = {} if ready is None else {"ready": ready}  # CUDA: the writer waits on it
+        for block, payload in zip(blocks, payloads, strict=True):
+            self.tiers.offer(
+                block.block_hash, block.hash_input, payload, salted=block.salted, **extra
+            )
+        with self._lock:
+            self.counters.offered_blocks += len(blocks)
+            self.counters.offered_bytes += len(blocks) * self.block_bytes
+
+    # -- read path (scheduler, stepping thread) ------------------------------------------
+    def begin(
+        self, request: Request, hashes: Sequence[bytes], inputs: Sequence[bytes], first_block: int
+    ) -> bool:
+        """Start loading the tiers' run of blocks ``first_block ..`` of ``hashes``.
+
+        ``hashes``/``inputs`` are the request's block hashes up to the reuse cap
+        (Invariant 4). True when loads started: the request waits until :meth:`is_ready`.
+        False (nothing to wait for) when the tiers hold none of the next blocks, when the
+        request was looked up since its last admission, or when staging is full.
+        """
+        request_id = request.request_id
+        if request_id in self._probed or first_block >= len(hashes):
+            return False
+        self._probed.add(request_id)
+        try:
+            present = self.tiers.lookup(list(hashes[first_block:]))
+        except Exception:
+            logger.exception("KV tier lookup failed; computing instead")
+            return False
+        count = len(present)
+        with self._lock:
+            if not count or self._staged_blocks + count > self.max_staged_blocks:
+                return False
+            self._staged_blocks += count
+            self._loading[request_id] = count
+        end = first_block + count
+        job = _Job(
+            request_id, first_block, list(hashes[first_block:end]), list(inputs[first_block:end])
+        )
+        self._ensure_loader()
+        self._jobs.put(job)
+        return True
+
+    def is_ready(self, request: Request) -> bool:
+        """True once a parked request's loads are done (or were abandoned)."""
+        with self._lock:
+            return request.request_id not in self._loading
+
+    def take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
+        """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
+
+        Blocks the pool now holds itself are skipped; a gap (the pool lost blocks before the
+        staged run) makes the staged run useless, and it is dropped. Nothing is consumed
+        until :meth:`install`.
+        """
+        with self._lock:
+            staged = self._ready.get(request.request_id)
+        if staged is None:
+            return None
+        skip = num_pool_blocks - staged.first_block
+        if skip < 0 or skip >= len(staged):
+            self.drop(request)
+            self._probed.add(request.request_id)  # no second lookup before admission
+            return None
+        return StagedBlocks(
+            num_pool_blocks,
+            staged.hashes[skip:],
+            staged.payloads[skip:],
+            staged.tiers[skip:],
+        )
+
+    def install(self, request: Request, staged: StagedBlocks, block_ids: Sequence[int]) -> None:
+        """Copy ``staged`` into pool blocks ``block_ids`` (every layer), then forget it."""
+        started = time.perf_counter()
+        payload = torch.stack(staged.payloads)
+        if self.device.type == "cuda":
+            payload = payload.to(self.device, non_blocking=True)
+        ids = torch.tensor(list(block_ids[: len(staged)]), dtype=torch.long, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache.index_copy_(0, ids, payload[:, layer, 0])
+            v_cache.index_copy_(0, ids, payload[:, layer, 1])
+        with self._lock:
+            counters = self.counters
+            for tier, tokens in staged.tokens_by_tier(self.block_size).items():
+                counters.hit_tokens[tier] = counters.hit_tokens.get(tier, 0) + tokens
+            counters.install_s += time.perf_counter() - started
+        self.drop(request)
+
+    def admitted(self, request: Request, num_pool_blocks: int) -> None:
+        """The request was admitted: count its pool hits; it may be looked up again later."""
+        with self._lock:
+            tokens = num_pool_blocks * self.block_size
+            self.counters.hit_tokens[POOL] = self.counters.hit_tokens.get(POOL, 0) + tokens
+        self._probed.discard(request.request_id)
+
+    def drop(self, request: Request) -> None:
+        """Forget the request's staged payloads (and cancel its loads, if any are running)."""
+        request_id = request.request_id
+        with self._lock:
+            staged = self._ready.pop(request_id, None)
+            if staged is not None:
+                self._staged_blocks -= len(staged)
+            reserved = self._loading.pop(request_id, None)
+            if reserved is not None:
+                self._staged_blocks -= reserved
+        self._probed.discard(request_id)
+
+    # -- the loader thread ---------------------------------------------------------------
+    def _ensure_loader(self) -> None:
+        if self._loader is None:
+            self._loader = threading.Thread(
+                target=self._load_loop, name="ragkv-kv-loader", daemon=True
+            )
+            self._loader.start()
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._load(job)
+            except Exception:  # a store bug costs this request its hits, nothing more
+                logger.exception("KV tier loads for %s failed", job.request_id)
+                with self._lock:
+                    reserved = self._loading.pop(job.request_id, None)
+                    if reserved is not None:
+                        self._staged_blocks -= reserved
+            self.wake()
+
+    def _load(self, job: _Job) -> None:
+        """Load the job's run in order, stopping at the first miss (a prefix must be whole)."""
+        staged = StagedBlocks(job.first_block, [], [], [])
+        for block_hash, hash_input in zip(job.hashes, job.inputs, strict=True):
+            with self._lock:
+                if job.request_id not in self._loading:
+                    return  # dropped (finished, aborted) while loading
+            started = time.perf_counter()
+            loaded = self.tiers.load(block_hash, hash_input)
+            elapsed = time.perf_counter() - started
+            if loaded is not None and not self._fits(loaded[0]):
+                logger.warning("KV tier payload of the wrong shape or dtype; recomputing")
+                loaded = None
+            if loaded is None:
+                with self._lock:
+                    self.counters.load_misses += 1
+                break
+            payload, tier = loaded
+            staged.hashes.append(block_hash)
+            staged.payloads.append(payload)
+            staged.tiers.append(tier)
+            with self._lock:
+                c = self.counters
+                c.loaded_blocks[tier] = c.loaded_blocks.get(tier, 0) + 1
+                c.loaded_bytes[tier] = c.loaded_bytes.get(tier, 0) + self.block_bytes
+                c.load_s[tier] = c.load_s.get(tier, 0.0) + elapsed
+        with self._lock:
+            reserved = self._loading.pop(job.request_id, None)
+            if reserved is None:
+                return
+            self._staged_blocks -= reserved - len(staged)
+            if staged.payloads:
+                self._ready[job.request_id] = staged
+
+    def _fits(self, payload: Any) -> bool:
+        return (
+            isinstance(payload, torch.Tensor)
+            and tuple(payload.shape) == self.shape
+            and payload.dtype == self.dtype
+        )
+
+    # -- lifetime --------------------------------------------------------------------------
+    def stats(self) -> tuple[TierCounters, dict[str, Any]]:
+        """The engine's tier counters, and the stores' own (``KVTiers.stats``)."""
+        with self._lock:
+            counters = self.counters.copy()
+        try:
+            stores = dict(self.tiers.stats())
+        except Exception:
+            logger.exception("KV tier stats failed")
+            stores = {}
+        return counters, stores
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the tiers to store what they were offered."""
+        self.tiers.flush(timeout_s=timeout_s)
+
+    def resident_blocks(self, hashes: Sequence[bytes], first_block: int) -> int:
+        """How many blocks from ``first_block`` on the tiers hold (unverified, cheap)."""
+        if first_block >= len(hashes):
+            return 0
+        try:
+            return len(self.tiers.lookup(list(hashes[first_block:])))
+        except Exception:
+            logger.exception("KV tier lookup failed")
+            return 0
+
+    def close(self) -> None:
+        """Stop the loader, flush the tiers (so a store directory keeps every block), close."""
+        if self._loader is not None:
+            self._jobs.put(None)
+            self._loader.join(timeout=30)
+        try:
+            self.flush()
+        finally:
+            self.tiers.close()

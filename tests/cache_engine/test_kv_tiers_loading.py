@@ -1,0 +1,192 @@
+"""The engine's tier glue with a controllable in-memory store: parking, partial loads, faults.
+
+The real stores are tested in test_kv_tiers*.py; here a store that can be slowed, broken or
+made to lie shows that the engine never waits for another request's loads, never takes a
+block it was not given, and never fails a request because a tier misbehaved.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from ragkv.cache_engine import Engine, SamplingParams, offload
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+class MemoryTiers:
+    """A dict posing as :class:`KVTiers` (one tier, "host"), with hooks to misbehave."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, tuple[bytes, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.load_limit: int | None = None  # loads after this many return None
+        self.offer_error: Exception | None = None
+        self.loads = 0
+        self.closed = False
+
+    def offer(self, block_hash, hash_input, payload, *, salted):
+        if self.offer_error is not None:
+            raise self.offer_error
+        with self.lock:
+            self.entries[block_hash] = (hash_input, payload.clone())
+
+    def lookup(self, hashes):
+        present = []
+        with self.lock:
+            for block_hash in hashes:
+                if block_hash not in self.entries:
+                    break
+                present.append("host")
+        return present
+
+    def load(self, block_hash, hash_input):
+        assert self.gate.wait(timeout=30)
+        with self.lock:
+            self.loads += 1
+            if self.load_limit is not None and self.loads > self.load_limit:
+                return None
+            entry = self.entries.get(block_hash)
+        if entry is None or entry[0] != hash_input:
+            return None
+        return entry[1].clone(), "host"
+
+    def flush(self, timeout_s=None):
+        pass
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def tiers(monkeypatch):
+    store = MemoryTiers()
+    monkeypatch.setattr(offload, "open_tiers", lambda config, runner: store)
+    return store
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def tiered(path, **kwargs) -> Engine:
+    # A pool of 7 blocks: a 100-token prompt (+4 generated: 7 blocks) evicts the previous one.
+    kwargs.setdefault("kv_cache_tokens", 7 * BLOCK)
+    return Engine.from_pretrained(path, device="cpu", host_cache_bytes=1 << 20, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Greedy tokens and logits of prompts 0..3 from an engine without any cache."""
+    with Engine.from_pretrained(
+        llama_dir, device="cpu", kv_cache_tokens=2048, enable_prefix_caching=False
+    ) as eng:
+        return [eng.generate(prompt(i, 100), GREEDY, return_logits=True) for i in range(4)]
+
+
+def assert_same(out, ref) -> None:
+    assert out.token_ids == ref.token_ids
+    start = out.logits_start
+    torch.testing.assert_close(out.logits, ref.logits[start:], rtol=0, atol=1e-4)
+
+
+def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tier_exactly(
+    llama_dir, tiers, reference
+):
+    with tiered(llama_dir) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+        stats = eng.stats()
+    assert out.usage.cached_tokens == 96
+    assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
+    assert_same(out, reference[0])
+    assert stats.tier_hit_tokens["host"] == 96 and stats.tier_loaded_blocks == {"host": 6}
+    assert stats.prefill_tokens_reused == sum(stats.tier_hit_tokens.values())
+    assert tiers.closed
+
+
+def test_a_request_waiting_for_its_loads_does_not_hold_up_another(llama_dir, tiers, reference):
+    with tiered(llama_dir, kv_cache_tokens=14 * BLOCK) as eng:
+        for i in (0, 1, 2):  # prompt 0 ends up in the tier only
+            eng.generate(prompt(i, 100), GREEDY)
+        tiers.gate.clear()  # loads block until the other request has finished
+        done = threading.Event()
+        result = {}
+
+        def parked():
+            result["out"] = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            done.set()
+
+        thread = threading.Thread(target=parked)
+        thread.start()
+        other = eng.generate(prompt(3, 100), GREEDY, return_logits=True)
+        assert not done.is_set()  # still parked while the other one ran start to end
+        tiers.gate.set()
+        thread.join(timeout=30)
+    assert_same(other, reference[3])
+    assert_same(result["out"], reference[0])
+    assert result["out"].usage.cached_tokens_by_tier["host"] == 96
+
+
+def test_a_load_that_fails_midway_ends_the_reused_prefix_there(llama_dir, tiers, reference):
+    with tiered(llama_dir) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        tiers.load_limit = tiers.loads + 2  # two blocks load, the third is a miss
+        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+        assert eng.stats().tier_load_misses == 1
+    assert out.usage.cached_tokens == 32
+    assert_same(out, reference[0])
+
+
+def test_a_tier_that_cannot_store_costs_hits_not_requests(llama_dir, tiers, reference):
+    tiers.offer_error = OSError(28, "No space left on device")
+    with tiered(llama_dir) as eng:
+        outs = [eng.generate(prompt(i, 100), GREEDY, return_logits=True) for i in (0, 1, 0)]
+        assert eng.stats().tier_offered_blocks == 0
+        assert eng.health().ok
+    for out, ref in zip(outs, [reference[0], reference[1], reference[0]], strict=True):
+        assert_same(out, ref)
+    assert outs[2].usage.cached_tokens == 0
+
+
+def test_a_payload_of_the_wrong_shape_is_a_miss(llama_dir, tiers, reference):
+    with tiered(llama_dir) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        for key, (hash_input, payload) in list(tiers.entries.items()):
+            tiers.entries[key] = (hash_input, payload[:, :, :8])
+        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+    assert out.usage.cached_tokens == 0
+    assert_same(out, reference[0])
+
+
+def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference):
+    with tiered(llama_dir) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        tiers.gate.clear()
+        stream = eng.stream(prompt(0, 100), GREEDY)
+        thread = threading.Thread(target=lambda: list(stream))
+        thread.start()
+        while not eng.scheduler.loading:  # parked, its first load waiting at the gate
+            threading.Event().wait(0.01)
+        [request] = eng.scheduler.loading.values()
+        eng.abort(request.request_id)
+        tiers.gate.set()
+        thread.join(timeout=30)
+        assert not eng.scheduler.loading and not eng.core.offload._ready
+        assert eng.core.offload._staged_blocks == 0
+        assert_same(eng.generate(prompt(1, 100), GREEDY, return_logits=True), reference[1])
