@@ -35,6 +35,9 @@ class StepContext:
     max_seqlen_k: int
     backend: str = "auto"
     plan: AttentionPlan | None = None  # torch path: built once per step, read by every layer
+    # Explicit query position per token row (chunk reuse); None: each sequence's rows are its
+    # last q_len positions. Host list on CPU (the plan's own list), int32 tensor on a device.
+    q_positions: torch.Tensor | list[int] | None = None
 
 
 def paged_attention_forward(
@@ -81,6 +84,7 @@ def paged_attention_forward(
         max_seqlen_k=ragkv_step.max_seqlen_k,
         backend=ragkv_step.backend,
         plan=ragkv_step.plan,
+        q_positions=ragkv_step.q_positions,
     )
     return out.unsqueeze(0), None
 

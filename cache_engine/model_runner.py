@@ -27,7 +27,7 @@ from ragkv.cache_engine.kv_cache_manager import slot_mapping
 from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
 from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
-from ragkv.errors import ConfigError
+from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.kernels import plan_attention
 from ragkv.kernels.dispatch import use_triton
 
@@ -47,6 +47,9 @@ class ModelInput:
     logits_rows: list[int] = field(default_factory=list)  # flat token rows to project
     sample_rows: list[int] = field(default_factory=list)  # per sampling chunk, into logits rows
     kept_rows: list[range | None] = field(default_factory=list)  # per chunk: return_logits rows
+    # Set when a chunk gave explicit positions: attention then takes ``positions`` as the
+    # query positions of the whole step (causal by position, see paged_attention).
+    explicit_positions: bool = False
 
 
 @dataclass(slots=True)
@@ -211,16 +214,24 @@ class ModelRunner:
             plan.placed = True
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
-        """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows."""
+        """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows.
+
+        A chunk with explicit ``positions`` contributes its tokens at those positions, in
+        that row order (kept logits rows too); its sampled row is the one at ``end - 1``.
+        """
         batch = ModelInput()
         for chunk in chunks:
             request = chunk.request
             first_row = batch.cu_seqlens_q[-1]
-            batch.input_ids.extend(request.token_ids[chunk.start : chunk.end])
-            batch.positions.extend(range(chunk.start, chunk.end))
-            batch.slot_mapping.extend(
-                slot_mapping(chunk.block_table, self.block_size, chunk.start, chunk.end)
-            )
+            last_row = first_row + chunk.num_tokens - 1  # the row whose logits are sampled
+            if chunk.positions is None:
+                batch.input_ids.extend(request.token_ids[chunk.start : chunk.end])
+                batch.positions.extend(range(chunk.start, chunk.end))
+                batch.slot_mapping.extend(
+                    slot_mapping(chunk.block_table, self.block_size, chunk.start, chunk.end)
+                )
+            else:
+                last_row = first_row + self._add_positioned(batch, chunk)
             batch.block_tables.append(chunk.block_table)
             batch.cu_seqlens_q.append(first_row + chunk.num_tokens)
             batch.seq_lens.append(chunk.end)
@@ -229,13 +240,44 @@ class ModelRunner:
                 batch.logits_rows.extend(range(first_row, first_row + chunk.num_tokens))
                 batch.kept_rows.append(range(start, len(batch.logits_rows)))
                 if chunk.samples:
-                    batch.sample_rows.append(len(batch.logits_rows) - 1)
+                    batch.sample_rows.append(start + last_row - first_row)
             else:
                 batch.kept_rows.append(None)
                 if chunk.samples:
-                    batch.logits_rows.append(first_row + chunk.num_tokens - 1)
+                    batch.logits_rows.append(last_row)
                     batch.sample_rows.append(len(batch.logits_rows) - 1)
         return batch
+
+    def _add_positioned(self, batch: ModelInput, chunk: ScheduledChunk) -> int:
+        """Append a chunk's tokens at its explicit positions; returns the offset of its
+        sampled row (the one at position ``end - 1``) within the chunk, or its last row's
+        when it does not sample."""
+        positions, token_ids, end = chunk.positions, chunk.request.token_ids, chunk.end
+        if (
+            len(positions) != chunk.num_tokens
+            or len(set(positions)) != len(positions)
+            or (positions and (min(positions) < 0 or max(positions) >= end))
+        ):
+            raise InvalidInputError(
+                f"ScheduledChunk.positions must hold num_tokens={chunk.num_tokens} distinct "
+                f"positions in [0, {end}); got {len(positions)}",
+                param="positions",
+            )
+        batch.explicit_positions = True
+        batch.input_ids.extend(token_ids[p] for p in positions)
+        batch.positions.extend(positions)
+        table, size = chunk.block_table, self.block_size
+        batch.slot_mapping.extend(table[p // size] * size + p % size for p in positions)
+        if not chunk.samples:
+            return chunk.num_tokens - 1
+        if positions[-1] == end - 1:
+            return chunk.num_tokens - 1
+        if end - 1 not in positions:
+            raise InvalidInputError(
+                f"a slice that samples must compute position {end - 1} (its last token)",
+                param="positions",
+            )
+        return positions.index(end - 1)
 
     def _metadata(self, values: list[int]) -> torch.Tensor | list[int]:
         # The torch (CPU) attention path takes host lists directly: no tensor round trip
@@ -251,10 +293,18 @@ class ModelRunner:
         padded = [blocks + [0] * (max_blocks - len(blocks)) for blocks in batch.block_tables]
         lengths_q = [b - a for a, b in itertools.pairwise(batch.cu_seqlens_q)]
         block_table = torch.tensor(padded, dtype=torch.int32, device=device)
+        q_positions = None
+        if batch.explicit_positions:
+            q_positions = self._metadata(batch.positions)
         plan = None
         if not use_triton(self.backend, block_table):
             plan = plan_attention(
-                block_table, batch.cu_seqlens_q, batch.seq_lens, self.block_size, self.dtype
+                block_table,
+                batch.cu_seqlens_q,
+                batch.seq_lens,
+                self.block_size,
+                self.dtype,
+                batch.positions if batch.explicit_positions else None,
             )
         return StepContext(
             kv_caches=self.kv_caches,
@@ -266,6 +316,7 @@ class ModelRunner:
             max_seqlen_k=max(batch.seq_lens),
             backend=self.backend,
             plan=plan,
+            q_positions=q_positions,
         )
 
     @torch.inference_mode()

@@ -42,12 +42,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step."""
+    """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step.
+
+    ``positions`` (opt-in, for chunk reuse): the explicit positions of the ``num_tokens``
+    tokens computed this step, in any order, each below ``end``; every other position below
+    ``end`` must already hold K/V. The sequence is ``end`` tokens long after the step, and a
+    slice that samples must compute position ``end - 1``. ``None``: positions
+    ``start .. end - 1``.
+    """
 
     request: Request
     start: int
     num_tokens: int
     block_table: list[int]  # the request's blocks in token order (the manager's live list)
+    positions: list[int] | None = None
 
     @property
     def end(self) -> int:

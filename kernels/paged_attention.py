@@ -9,6 +9,12 @@ stored) live in the blocks ``block_table[i]``::
     queries                                              | 0 ........... q_len-1
     query t sees keys 0 .. context + t  (bottom-right causal, context = seq_len - q_len)
 
+With ``q_positions`` (one absolute position per query row of the step, in row order) the
+query rows of a sequence may instead sit anywhere in it, in any order: the row at position
+``p`` sees exactly keys ``0 .. p`` (causal by position; ``0 <= p < seq_len``). A caller
+that recomputes a scattered subset of a sequence's tokens over K/V placed there beforehand
+uses it. Without it, the code path is the one above, untouched.
+
 Triton kernel and torch reference side by side; :func:`paged_attention` dispatches. The
 torch path works from an :class:`AttentionPlan` of the step's metadata: a caller that runs
 many layers over one step (the engine's model runner) builds it once with
@@ -49,6 +55,7 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     backend: Backend = "auto",
     plan: AttentionPlan | None = None,
+    q_positions: IntSeq | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged K/V; returns
     ``[num_tokens, num_heads, head_dim]`` in ``q.dtype`` (fp32 accumulation).
@@ -62,6 +69,9 @@ def paged_attention(
     API symmetry (the kernel reads each length on the device). ``backend``: "auto"
     (Triton on CUDA, torch otherwise), "triton" or "torch". ``plan``: the torch path's
     :func:`plan_attention` of exactly this metadata (built here when not given).
+    ``q_positions``: ``[num_tokens]`` absolute position of each query row (see the module
+    docstring); a host list or an int tensor (int32 on the device for Triton). ``None``: the
+    rows of each sequence are its last ``q_len`` positions.
     """
     check_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
@@ -76,13 +86,22 @@ def paged_attention(
         )
     if len(cu_seqlens_q) != len(seq_lens) + 1:
         raise InvalidInputError("cu_seqlens_q must have len(seq_lens) + 1 entries.")
+    if q_positions is not None and len(q_positions) != q.shape[0]:
+        raise InvalidInputError(
+            f"q_positions must have one entry per query row ({q.shape[0]}); "
+            f"got {len(q_positions)}.",
+            param="q_positions",
+        )
     if use_triton(backend, q):
         return paged_attention_triton(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q
-        )
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+            q_positions,
+        )  # fmt: skip
     if plan is None:
-        plan = plan_attention(block_table, cu_seqlens_q, seq_lens, k_cache.shape[1], q.dtype)
-    return paged_attention_torch(q, k_cache, v_cache, plan, scale)
+        plan = plan_attention(
+            block_table, cu_seqlens_q, seq_lens, k_cache.shape[1], q.dtype, q_positions
+        )
+    return paged_attention_torch(q, k_cache, v_cache, plan, scale, q_positions)
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,14 +114,23 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    q_positions: IntSeq | None = None,
 ) -> torch.Tensor:
     """Torch path of :func:`paged_attention`: SDPA per sequence over its K/V.
 
     A sequence whose blocks are consecutive in the cache reads them as a zero-copy view;
     otherwise its blocks are gathered with one ``index_select``. Decode sequences that need
     a gather are batched into a single padded, masked SDPA call. Everything that depends
-    only on the metadata lives in ``plan`` (see :func:`plan_attention`).
+    only on the metadata lives in ``plan`` (see :func:`plan_attention`), query positions
+    included: ``q_positions``, when given, is checked against the positions the plan was
+    built for (a plan of other positions raises :class:`InvalidInputError`).
     """
+    if q_positions is not None and not _plan_is_for(plan, q_positions):
+        raise InvalidInputError(
+            "the attention plan was built for other q_positions; build it with "
+            "plan_attention(..., q_positions) of this step.",
+            param="q_positions",
+        )
     out = torch.empty_like(q)
     if plan.decode is not None:
         _decode_gathered(q, k_cache, v_cache, plan.decode, scale, out)
@@ -119,6 +147,13 @@ def paged_attention_torch(
         parts.append(_attend_lse(qs, k, v, scale, mask, causal=causal))
         out[start:end] = _merge(parts)[0].transpose(0, 1)
     return out
+
+
+def _plan_is_for(plan: AttentionPlan, q_positions: IntSeq) -> bool:
+    # The engine hands every layer the plan's own list: identity, no per-layer compare.
+    if plan.q_positions is q_positions:
+        return True
+    return plan.q_positions is not None and plan.q_positions == _to_list(q_positions)
 
 
 Segment = tuple[slice | torch.Tensor, int]  # blocks (a range, or ids to gather), tokens used
@@ -169,12 +204,13 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Bottom-right causal SDPA of q ``[q_len, H, D]`` over k, v ``[kv_len, H_kv, D]``;
-    ``mask`` is the additive causal mask when ``0 < q_len < kv_len``."""
+    ``mask`` is the additive causal mask when ``0 < q_len < kv_len``, or the position mask
+    of queries at explicit positions (any ``q_len``)."""
     q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, _ = k.shape
     k = k.transpose(0, 1).unsqueeze(0)
     v = v.transpose(0, 1).unsqueeze(0)
-    if q_len == 1:
+    if q_len == 1 and mask is None:
         # Decode: the query heads sharing a KV head become rows of one [G, D] query, so GQA
         # needs no expansion and no mask (the single query sees every key).
         q = q.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -211,6 +247,7 @@ class AttentionPlan:
     # Per sequence not in ``decode``: (q start, q end, prefix, tail, mask of the tail or None).
     seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]]
     decode: _DecodeBatch | None
+    q_positions: list[int] | None = None  # the explicit query positions it was built for
 
 
 def plan_attention(
@@ -219,14 +256,29 @@ def plan_attention(
     seq_lens: IntSeq,
     block_size: int,
     dtype: torch.dtype,
+    q_positions: IntSeq | None = None,
 ) -> AttentionPlan:
     """The torch path's plan for one step's metadata (arguments as :func:`paged_attention`'s;
-    ``dtype`` is the query's)."""
+    ``dtype`` is the query's).
+
+    With ``q_positions``, a sequence whose rows are exactly its last ``q_len`` positions in
+    order is planned as without them (same segments, same results); any other sequence gets
+    a position mask over its keys ``0 .. max(position)`` (see :func:`_plan_positioned`).
+    """
     cu, lens = _to_list(cu_seqlens_q), _to_list(seq_lens)
+    positions = None
+    positioned: set[int] = set()
+    if q_positions is not None:
+        positions = q_positions if isinstance(q_positions, list) else _to_list(q_positions)
+        positioned = _positioned_seqs(positions, cu, lens)
     device = block_table.device
     n_blocks = [-(-length // block_size) for length in lens]
     first_block, consecutive = _consecutive_runs(block_table, n_blocks)
-    gathered_decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and not consecutive[i]]
+    gathered_decode = [
+        i
+        for i in range(len(lens))
+        if cu[i + 1] - cu[i] == 1 and not consecutive[i] and i not in positioned
+    ]
     decode = None
     if len(gathered_decode) > 1:
         decode = _plan_decode(block_table, cu, lens, n_blocks, gathered_decode, block_size, dtype)
@@ -237,11 +289,17 @@ def plan_attention(
         start, end = cu[i], cu[i + 1]
         if i in batched or start == end:
             continue
+        if i in positioned:
+            rows = positions[start:end]
+            seqs.append((start, end, *_plan_positioned(block_table[i], rows, block_size, dtype)))
+            continue
         q_len, prefix = end - start, []
         if consecutive[i]:
             tail = (slice(first_block[i], first_block[i] + n_blocks[i]), seq_len)
         else:
-            prefix, tail = _split(block_table[i, : n_blocks[i]], seq_len, q_len, block_size)
+            prefix, tail = _split(
+                block_table[i, : n_blocks[i]], seq_len, seq_len - q_len, block_size
+            )
         tail_len, mask = tail[1], None
         if 1 < q_len < tail_len:
             if (q_len, tail_len) not in masks:
@@ -249,21 +307,67 @@ def plan_attention(
                 masks[q_len, tail_len] = _additive(visible.tril(tail_len - q_len), dtype)
             mask = masks[q_len, tail_len]
         seqs.append((start, end, prefix, tail, mask))
-    return AttentionPlan(seqs, decode)
+    return AttentionPlan(seqs, decode, positions)
+
+
+def _positioned_seqs(positions: list[int], cu: list[int], lens: list[int]) -> set[int]:
+    """The sequences whose query rows are not their last ``q_len`` positions in order.
+
+    Raises :class:`InvalidInputError` for a position outside ``[0, seq_len)``.
+    """
+    if len(positions) != cu[-1]:
+        raise InvalidInputError(
+            f"q_positions must have one entry per query row ({cu[-1]}); got {len(positions)}.",
+            param="q_positions",
+        )
+    positioned = set()
+    for i, seq_len in enumerate(lens):
+        rows = positions[cu[i] : cu[i + 1]]
+        if not rows:
+            continue
+        if min(rows) < 0 or max(rows) >= seq_len:
+            raise InvalidInputError(
+                f"q_positions of sequence {i} must lie in [0, {seq_len}); "
+                f"got {min(rows)} .. {max(rows)}.",
+                param="q_positions",
+            )
+        if rows != list(range(seq_len - len(rows), seq_len)):
+            positioned.add(i)
+    return positioned
+
+
+def _plan_positioned(
+    table_row: torch.Tensor, rows: list[int], block_size: int, dtype: torch.dtype
+) -> tuple[list[Segment], Segment, torch.Tensor]:
+    """Prefix, tail and position mask of a sequence whose queries sit at ``rows``.
+
+    Keys past the last position are seen by no row and are not read. Keys before the first
+    position are seen by every row: they form the unmasked prefix of runs, as in
+    :func:`_split`, and the tail starts at a run that holds key ``min(rows)``, which every
+    row sees, so no row of the masked tail is empty.
+    """
+    kv_len = max(rows) + 1
+    blocks = table_row[: -(-kv_len // block_size)]
+    prefix, tail = _split(blocks, kv_len, min(rows), block_size)
+    tail_start = kv_len - tail[1]
+    keys = torch.arange(tail_start, kv_len, device=table_row.device)
+    query = torch.tensor(rows, device=table_row.device)
+    return prefix, tail, _additive(keys[None, :] <= query[:, None], dtype)
 
 
 def _split(
-    blocks: torch.Tensor, seq_len: int, q_len: int, block_size: int
+    blocks: torch.Tensor, kv_len: int, context: int, block_size: int
 ) -> tuple[list[Segment], Segment]:
-    """Split a prefill's keys into a prefix of consecutive block runs read as views, and a
-    tail from the first run that reaches key ``context = seq_len - q_len``.
+    """Split a prefill's keys ``0 .. kv_len - 1`` into a prefix of consecutive block runs
+    read as views, and a tail from the first run that reaches key ``context``
+    (``seq_len - q_len`` for the last ``q_len`` positions).
 
     Every query sees all keys before ``context`` and key ``context`` itself, so the prefix
     needs no mask and no row of the tail is fully masked (its logsumexp stays finite). A
     table of many short runs (more than ``_MAX_RUNS``) is gathered whole instead: one call
     per run would cost more than the copy.
     """
-    ids, context = blocks.tolist(), seq_len - q_len
+    ids = blocks.tolist()
     starts = [j for j in range(len(ids)) if j == 0 or ids[j] != ids[j - 1] + 1]
     prefix = []
     for j, next_j in itertools.pairwise([*starts, len(ids)]):
@@ -271,7 +375,7 @@ def _split(
             tail = (
                 blocks[j:].long() if len(prefix) + 1 < len(starts) else slice(ids[j], ids[-1] + 1)
             )
-            return prefix, (tail, seq_len - j * block_size)
+            return prefix, (tail, kv_len - j * block_size)
         prefix.append((slice(ids[j], ids[j] + next_j - j), (next_j - j) * block_size))
     raise AssertionError("unreachable: the last run holds the last query's key")
 
@@ -368,12 +472,15 @@ def paged_attention_triton(
     seq_lens: IntSeq,
     scale: float,
     max_seqlen_q: int | None = None,
+    q_positions: IntSeq | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`paged_attention`.
 
     Grid: (sequence, query tile, KV head). Each program packs the ``G`` query heads that
     share its KV head with ``BLOCK_Q`` query tokens into ``BLOCK_M = BLOCK_Q * G`` rows, and
-    runs an online softmax over KV tiles read through the block table.
+    runs an online softmax over KV tiles read through the block table. ``q_positions``
+    selects a second specialization of the kernel (a constexpr flag), so the default one
+    compiles exactly as without it; positions are not range-checked here (no host sync).
     """
     cu = _to_device(cu_seqlens_q, q.device)
     lens = _to_device(seq_lens, q.device)
@@ -388,14 +495,16 @@ def paged_attention_triton(
     if len(lens) == 0 or max_seqlen_q == 0:
         return out
     grid = (len(lens), triton.cdiv(max_seqlen_q, block_q), num_kv_heads)
+    positions = cu if q_positions is None else _to_device(q_positions, q.device)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, cu, lens, scale,
+        q, k_cache, v_cache, out, block_table, cu, lens, positions, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         group, head_dim, k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=32,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_Q_POSITIONS=q_positions is not None,
     )  # fmt: skip
     return out
 
@@ -411,7 +520,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        scale,
+        q_positions_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -422,6 +531,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         PRECISION: tl.constexpr,
+        HAS_Q_POSITIONS: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0).to(tl.int64)
         q_tile = tl.program_id(1)
@@ -443,14 +553,19 @@ if triton is not None:
         q_rows = (q_start + tok).to(tl.int64)
         q_tile_ptr = q_ptr + (q_rows * stride_qt + head * stride_qh)[:, None] + d[None, :]
         qv = tl.load(q_tile_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        q_pos = context + tok
+        if HAS_Q_POSITIONS:
+            # Padding rows get position 0 (they see key 0), so every row's max stays finite.
+            q_pos = tl.load(q_positions_ptr + q_start + tok, mask=row_ok, other=0)
+            kv_end = tl.minimum(seq_len, tl.max(q_pos, axis=0) + 1)
+        else:
+            q_pos = context + tok
+            # Keys past the tile's last query position are masked for every row: skip them.
+            kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
-        # Keys past the tile's last query position are masked for every row: skip them.
-        kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
         table_row = block_table_ptr + seq * stride_bt
         for kv_start in range(0, kv_end, BLOCK_N):
             k_pos = kv_start + tl.arange(0, BLOCK_N)
