@@ -237,15 +237,21 @@ async def _replay_plans(
         finally:
             slots.release()
 
-    for answer, record in zip(exact.answers, exact.records, strict=True):
-        session = exact.sessions[record.index] if exact.sessions else str(record.index)
-        previous = last.get(session)
-        if previous is not None:
-            await previous
-        await slots.acquire()
-        last[session] = task = asyncio.create_task(one(answer.plan))
-        tasks.append(task)
-    return list(await asyncio.gather(*tasks))
+    try:
+        for answer, record in zip(exact.answers, exact.records, strict=True):
+            session = exact.sessions[record.index] if exact.sessions else str(record.index)
+            previous = last.get(session)
+            if previous is not None:
+                await previous
+            await slots.acquire()
+            last[session] = task = asyncio.create_task(one(answer.plan))
+            tasks.append(task)
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # cancelling aborts the request in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _run_coroutine(coro: Any) -> Any:
