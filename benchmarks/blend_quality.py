@@ -3,8 +3,9 @@
 RAG prompts are built by the assembler (``order="retrieval"``, so the caller's chunk order
 is kept) from the bench's synthetic workload questions over the demo corpus. Per question:
 
-1. the chunks in their retrieval order are computed exactly once (the chunk index records
-   where each chunk's K/V lives, computed after *that* context);
+1. the chunks in their retrieval order are computed exactly once per setting (the chunk
+   index records where each chunk's K/V lives, computed after *that* context; every
+   setting runs under its own cache salt so no setting's cached blocks serve another);
 2. for each of ``--orders`` rotations of the chunk order (every chunk moves and follows
    other content), the exact path generates a greedy answer of ``--answer-tokens`` tokens
    (its logits at each answer position are the reference; own cache salt, so it neither
@@ -137,7 +138,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for request in questions(args.questions, args.seed):
             chunks = pipe.deduplicator.dedupe(request.chunks).chunks
             warm = pipe.prepare(request.question, chunks, system=request.system).plan
-            engine.generate(warm.token_ids, SamplingParams(max_tokens=1), chunk_spans=_spans(warm))
+            for setting in settings:  # each setting in its own salt: see _salt
+                engine.generate(
+                    warm.token_ids,
+                    SamplingParams(max_tokens=1),
+                    chunk_spans=_spans(warm),
+                    cache_salt=_salt(setting),
+                )
             for shift in range(1, min(args.orders, len(chunks) - 1) + 1):
                 order = chunks[shift:] + chunks[:shift]
                 plan = pipe.prepare(request.question, order, system=request.system).plan
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         SamplingParams(max_tokens=1),
                         chunk_spans=_spans(plan),
                         reuse=BlendConfig(setting.strategy, k=setting.k),
+                        cache_salt=_salt(setting),
                         return_logits=True,
                     )
                     computed = engine.stats().prefill_tokens_computed - before
@@ -188,6 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "settings": [s.summary(naive_kl) for s in settings],
     }
+
+
+def _salt(setting: Setting) -> str:
+    """Each setting's own prefix cache and chunk index: a blended request caches the exact
+    part before its first copied token, which would otherwise lengthen the next setting's
+    exact prefix on the same prompt (and hide its first chunk from reuse)."""
+    return f"blend-quality/{setting.name}"
 
 
 def _spans(plan: Any) -> list[tuple[int, int]]:
