@@ -28,6 +28,9 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_input: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        # Bumped whenever a block's K/V may change (handed out again, forgotten, reset), so
+        # the chunk index can tell that a recorded location still holds what it recorded.
+        self.generation = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
         self.num_collisions = 0
@@ -72,6 +75,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             if self.block_hash[block_id] is not None:
                 self._evict(block_id)
+            self.generation[block_id] += 1
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -115,6 +119,7 @@ class BlockPool:
 
     def forget(self, block_id: int) -> None:
         """Unregister one block's hash (its K/V cannot be trusted); it stays allocated or free."""
+        self.generation[block_id] += 1
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self.cached[block_hash]
@@ -128,6 +133,7 @@ class BlockPool:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.hash_input = [None] * self.num_blocks
+        self.generation = [g + 1 for g in self.generation]
         return True
 
     def _evict(self, block_id: int) -> None:

@@ -18,9 +18,16 @@ from typing import Any
 
 from ragkv.cache_engine import offload
 from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.engine_core import EngineCore
-from ragkv.cache_engine.input_processor import InputProcessor, Prompt, pair_prompts
+from ragkv.cache_engine.input_processor import (
+    ChunkSpans,
+    InputProcessor,
+    Prompt,
+    pair_prompts,
+    per_prompt_spans,
+)
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
@@ -55,7 +62,9 @@ class Engine:
             algo=config.hash_algo,
             extra_keys=[("model", self.runner.identity)],
         )
-        self.scheduler = Scheduler(self.kv, config, self.max_model_len)
+        # Where exactly computed chunks' K/V lives, for requests that opt into chunk reuse.
+        self.chunk_index = ChunkIndex(self.runner.identity, algo=config.hash_algo)
+        self.scheduler = Scheduler(self.kv, config, self.max_model_len, self.chunk_index)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, outputs, self._open_tiers(config))
@@ -97,6 +106,7 @@ class Engine:
 
     # -- public API (EngineLike) --------------------------------------------------------
     knows_residency = True
+    supports_chunk_reuse = True  # generate(..., chunk_spans=, reuse=BlendConfig())
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -110,14 +120,24 @@ class Engine:
         *,
         cache_salt: str | None = None,
         return_logits: bool = False,
+        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
     ) -> Output | list[Output]:
         """Generate for one prompt (returns an :class:`Output`) or many (a list, in order).
 
         Prompts are token-id lists or strings (tokenized with the model's tokenizer).
+
+        ``chunk_spans``: the ``(start, end)`` token offsets of the prompt's retrieved chunks
+        (``[(s.start, s.end) for s in plan.spans("chunk")]``; for many prompts, one list or
+        None each). Once such a prompt is computed exactly, its chunks' K/V can serve
+        requests that opt in with ``reuse=BlendConfig(...)``: those reuse a chunk found
+        anywhere, at another position, re-rotated and partly recomputed. Their answers are
+        approximate (``Output.approximate``, ``usage.reused_nonprefix_tokens``).
         """
         single, batch, params_list = pair_prompts(prompts, params)
+        spans = per_prompt_spans(chunk_spans, single, len(batch))
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        ids = self._start(batch, params_list, cache_salt, return_logits, events.put)
+        ids = self._start(batch, params_list, cache_salt, return_logits, events.put, spans, reuse)
         results: dict[str, Output] = {}
         try:
             while len(results) < len(ids):
@@ -132,12 +152,26 @@ class Engine:
         return outputs[0] if single else outputs
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        chunk_spans: ChunkSpans | None = None,
+        reuse: BlendConfig | None = None,
     ) -> Iterator[StreamDelta]:
-        """Yield text deltas as tokens are generated; the last delta carries the ``output``."""
+        """Yield text deltas as tokens are generated; the last delta carries the ``output``.
+
+        ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         [request_id] = self._start(
-            [prompt], [params or SamplingParams()], cache_salt, False, events.put
+            [prompt],
+            [params or SamplingParams()],
+            cache_salt,
+            False,
+            events.put,
+            [chunk_spans],
+            reuse,
         )
         done = False
         try:
@@ -150,16 +184,30 @@ class Engine:
                 self.abort(request_id)
 
     async def agenerate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        chunk_spans: ChunkSpans | None = None,
+        reuse: BlendConfig | None = None,
     ) -> Output:
         """Asyncio form of :meth:`generate` for one prompt; cancellation aborts the request."""
-        async for delta in self.astream(prompt, params, cache_salt=cache_salt):
+        async for delta in self.astream(
+            prompt, params, cache_salt=cache_salt, chunk_spans=chunk_spans, reuse=reuse
+        ):
             if delta.output is not None:
                 return delta.output
         raise RagkvError("stream ended without a final output")  # pragma: no cover
 
     async def astream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        chunk_spans: ChunkSpans | None = None,
+        reuse: BlendConfig | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
         loop = asyncio.get_running_loop()
@@ -168,7 +216,9 @@ class Engine:
         def sink(event: StreamDelta | BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        [request_id] = self._start([prompt], [params or SamplingParams()], cache_salt, False, sink)
+        [request_id] = self._start(
+            [prompt], [params or SamplingParams()], cache_salt, False, sink, [chunk_spans], reuse
+        )
         done = False
         try:
             while not done:
@@ -246,21 +296,30 @@ class Engine:
         cache_salt: str | None,
         return_logits: bool,
         sink: Sink,
+        chunk_spans: Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
     ) -> list[str]:
         """The one submission path: validate every request, then queue them; their ids."""
+        spans = chunk_spans or [None] * len(prompts)
         states = [
-            self._make_request(prompt, sp, cache_salt, return_logits)
-            for prompt, sp in zip(prompts, params, strict=True)
+            self._make_request(prompt, sp, cache_salt, return_logits, prompt_spans, reuse)
+            for prompt, sp, prompt_spans in zip(prompts, params, spans, strict=True)
         ]
         for state in states:
             self._submit(state, sink)
         return [state.request.request_id for state in states]
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, keep_logits: bool
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        cache_salt: str | None,
+        keep_logits: bool,
+        chunk_spans: ChunkSpans | None = None,
+        reuse: BlendConfig | None = None,
     ) -> RequestState:
         self.core.check_open()
-        return self.inputs.process(prompt, params, cache_salt, keep_logits)
+        return self.inputs.process(prompt, params, cache_salt, keep_logits, chunk_spans, reuse)
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)

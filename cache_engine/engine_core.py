@@ -102,6 +102,7 @@ class EngineCore:
         snapshot.evictions = cache.evictions
         snapshot.num_free_blocks = cache.num_free_blocks
         snapshot.preemptions = self.scheduler.num_preemptions
+        snapshot.blend_fallbacks = self.scheduler.num_blend_fallbacks
         snapshot.extra = {"cache": cache}
         if self.offload is not None:
             self._add_tier_stats(snapshot)
@@ -272,6 +273,7 @@ class EngineCore:
                 request.first_scheduled_time = now
                 stats.prompt_tokens += request.num_prompt_tokens
                 stats.prefill_tokens_reused += request.num_cached_tokens or 0
+                stats.prefill_tokens_reused_nonprefix += request.reused_nonprefix_tokens
             if chunk.num_tokens == 1 and chunk.start >= request.num_prompt_tokens:
                 stats.decode_tokens += 1
             else:

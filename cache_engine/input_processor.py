@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import make_generator
@@ -21,6 +22,7 @@ from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
 
 Prompt = str | Sequence[int]
+ChunkSpans = Sequence[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -39,7 +41,13 @@ class InputProcessor:
         return f"{prefix}-{next(self._ids)}"
 
     def process(
-        self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, keep_logits: bool
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        cache_salt: str | None,
+        keep_logits: bool,
+        chunk_spans: Any = None,
+        reuse: Any = None,
     ) -> RequestState:
         """Validate and convert one request; raise (with ``param``) on the first bad input."""
         if not isinstance(params, SamplingParams):
@@ -58,6 +66,7 @@ class InputProcessor:
                 "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
                 param="prompt",
             )
+        spans, reuse = check_reuse(chunk_spans, reuse, len(token_ids))
         eos = frozenset() if params.ignore_eos else self.outputs.eos_token_ids
         request = Request(
             self.next_id(),
@@ -67,6 +76,8 @@ class InputProcessor:
             keep_logits=keep_logits,
             stop_token_ids=eos | frozenset(params.stop_token_ids),
             generator=make_generator(params),
+            chunk_spans=spans,
+            reuse=reuse,
         )
         self.scheduler.check_fits(request)
         return self.outputs.new_state(request)
@@ -100,6 +111,25 @@ class InputProcessor:
         return ids
 
 
+def check_reuse(
+    chunk_spans: Any, reuse: Any, num_tokens: int
+) -> tuple[tuple[tuple[int, int], ...], BlendConfig | None]:
+    """A request's chunk spans (checked) and chunk reuse opt-in; reuse needs the spans."""
+    if reuse is not None and not isinstance(reuse, BlendConfig):
+        raise InvalidInputError(
+            f"reuse must be a BlendConfig or None, got {type(reuse).__name__}", param="reuse"
+        )
+    if chunk_spans is None:
+        if reuse is not None:
+            raise InvalidInputError(
+                "reuse needs chunk_spans: the (start, end) token offsets of the prompt's "
+                "chunks (PromptPlan.spans('chunk'))",
+                param="chunk_spans",
+            )
+        return (), None
+    return check_chunk_spans(chunk_spans, num_tokens), reuse
+
+
 def _check_utf8(text: str, param: str) -> None:
     """Refuse text that has no UTF-8 form (lone surrogates, e.g. from a bad JSON escape)."""
     try:
@@ -131,6 +161,27 @@ def pair_prompts(
             param="params",
         )
     return single, batch, params_list
+
+
+def per_prompt_spans(
+    chunk_spans: Any, single: bool, num_prompts: int
+) -> list[ChunkSpans | None] | None:
+    """``generate``'s ``chunk_spans`` as one entry per prompt (None: no spans anywhere)."""
+    if chunk_spans is None:
+        return None
+    if single:
+        return [chunk_spans]
+    if (
+        isinstance(chunk_spans, str | bytes)
+        or not isinstance(chunk_spans, Sequence)
+        or len(chunk_spans) != num_prompts
+    ):
+        raise InvalidInputError(
+            f"for {num_prompts} prompts, chunk_spans must be a list of {num_prompts} span "
+            "lists (or None each)",
+            param="chunk_spans",
+        )
+    return list(chunk_spans)
 
 
 def _is_single_prompt(prompts: Any) -> bool:

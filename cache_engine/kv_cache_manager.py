@@ -42,6 +42,7 @@ class _RequestState:
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading full blocks already registered (or skipped)
     cacheable: bool = True  # False after a collision: later hashes chain off a shared key
+    cache_limit: int | None = None  # tokens past this hold approximate K/V: never registered
 
 
 class KVCacheManager:
@@ -166,6 +167,11 @@ class KVCacheManager:
             if not self.pool.ref_counts[block_id]:
                 self.pool.forget(block_id)
 
+    def limit_caching(self, request: CacheRequest, num_tokens: int | None) -> None:
+        """Register none of the request's blocks past its first ``num_tokens`` tokens (their
+        K/V is approximate: position-independent chunk reuse); None lifts the limit."""
+        self._state(request).cache_limit = num_tokens
+
     def block_table(self, request: CacheRequest) -> list[int]:
         """The request's block ids in token order (the live list: do not mutate)."""
         state = self._requests.get(request.request_id)
@@ -214,6 +220,8 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, request: CacheRequest, state: _RequestState, num_known: int
     ) -> None:
+        if state.cache_limit is not None:
+            num_known = min(num_known, state.cache_limit)
         num_full = num_known // self.block_size
         if not self.enable_caching or not state.cacheable or num_full <= state.num_cached_blocks:
             return

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ragkv.cache_engine.attention import ATTN_IMPLEMENTATION, StepContext, register_attention
+from ragkv.cache_engine.chunk_reuse.placement import place_chunks
 from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
 from ragkv.cache_engine.kv_cache_manager import slot_mapping
 from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
@@ -98,6 +99,7 @@ class ModelRunner:
         )
         self.vocab_size = config.vocab_size
         self.sampler = Sampler()
+        self._rotator = None  # RoPE re-rotation for chunk reuse, built on first use
         if num_blocks is None:
             num_blocks = max(1, (kv_cache_bytes or 0) // self.bytes_per_block())
         self.num_blocks = num_blocks
@@ -177,6 +179,7 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: build its inputs, run the model, sample every finishing slice."""
         inputs = self.prepare(batch.chunks)
+        self.place_reused_chunks(batch.chunks)
         started = time.perf_counter()
         logits = self.forward(inputs)
         forward_s = time.perf_counter() - started
@@ -193,6 +196,22 @@ class ModelRunner:
             for rows in inputs.kept_rows
         ]
         return StepResult(sampled.token_ids, sampled.logprobs, kept, forward_s)
+
+    def place_reused_chunks(self, chunks: list[ScheduledChunk]) -> None:
+        """Copy the K/V of chunks reused from elsewhere into their new positions, keys
+        re-rotated (opt-in chunk reuse), before the forward that attends over them."""
+        for chunk in chunks:
+            plan = chunk.request.blend
+            if plan is None or plan.placed:
+                continue
+            if self._rotator is None:
+                from ragkv.cache_engine.rope import RopeRotator
+
+                self._rotator = RopeRotator.from_model(self.model)
+            place_chunks(
+                plan, chunk.block_table, self.kv_caches, self._rotator.rotate, self.block_size
+            )
+            plan.placed = True
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows.

@@ -23,6 +23,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int | None
     cached_tokens_by_tier: dict[str, int] | None = None
+    # Prompt tokens whose K/V was copied from another position (opt-in chunk reuse:
+    # approximate); never part of ``cached_tokens``, which is exact prefix reuse only.
+    reused_nonprefix_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -41,6 +44,8 @@ class Usage:
             if self.cached_tokens_by_tier is not None:
                 by_tier = dict(self.cached_tokens_by_tier)
                 usage["prompt_tokens_details"]["cached_tokens_by_tier"] = by_tier
+        if self.reused_nonprefix_tokens:  # a ragkv extension, only on approximate answers
+            usage["reused_nonprefix_tokens"] = self.reused_nonprefix_tokens
         return usage
 
 
@@ -60,7 +65,11 @@ class Output:
     ``logits`` is only filled when the request asked for it (``return_logits=True``): one
     fp32 row per position the engine computed, for positions
     ``logits_start .. len(prompt) + len(token_ids) - 2`` in order. ``logits_start`` is
-    ``usage.cached_tokens`` unless the request was preempted and recomputed.
+    ``usage.cached_tokens`` unless the request was preempted and recomputed; a request
+    that reused chunks computes only some prompt positions, and its prompt rows are those.
+
+    ``approximate`` is True when chunk reuse copied K/V computed after another context
+    (``usage.reused_nonprefix_tokens`` > 0): the answer may differ from the exact one.
     """
 
     request_id: str
@@ -74,6 +83,7 @@ class Output:
     num_preemptions: int = 0
     logits: Any = None
     logits_start: int = 0
+    approximate: bool = False
 
 
 @dataclass(slots=True)
@@ -95,6 +105,8 @@ class EngineStats:
     prompt_tokens: int = 0
     prefill_tokens_computed: int = 0
     prefill_tokens_reused: int = 0
+    prefill_tokens_reused_nonprefix: int = 0  # opt-in chunk reuse (approximate)
+    blend_fallbacks: int = 0  # opted-in requests run exactly (too big for one step)
     decode_tokens: int = 0
     preemptions: int = 0
     evictions: int = 0

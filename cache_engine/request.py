@@ -12,6 +12,8 @@ from ragkv.cache_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from ragkv.cache_engine.chunk_reuse import BlendConfig, BlendPlan
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -40,6 +42,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None  # seeded per request (sampler.make_generator)
     arrival_time: float = field(default_factory=time.perf_counter)
+    # Chunk reuse (opt-in): the prompt's chunk spans, and the strategy when reuse is asked.
+    chunk_spans: tuple[tuple[int, int], ...] = ()
+    reuse: BlendConfig | None = None
 
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
@@ -52,6 +57,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    blend: BlendPlan | None = None  # set when admitted with reused chunks (approximate)
+    blend_tried: bool = False  # planned once, at first admission; a recompute is exact
+    chunks_recorded: bool = False
+    reused_nonprefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

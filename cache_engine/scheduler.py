@@ -26,6 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragkv.cache_engine.chunk_reuse import BlendPlan, ChunkIndex
+from ragkv.cache_engine.chunk_reuse.scheduling import (
+    admit_blended,
+    plan_request,
+    record_chunks,
+    release_pins,
+)
 from ragkv.cache_engine.config import DEFAULTS, EngineConfig
 from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.errors import CacheCapacityError, PromptTooLongError
@@ -71,16 +78,22 @@ class Scheduler:
     """Waiting and running queues over a :class:`~ragkv.cache_engine.KVCacheManager`."""
 
     def __init__(
-        self, kv_manager, config: EngineConfig = DEFAULTS, max_model_len: int | None = None
+        self,
+        kv_manager,
+        config: EngineConfig = DEFAULTS,
+        max_model_len: int | None = None,
+        chunk_index: ChunkIndex | None = None,
     ) -> None:
         # Reads max_num_seqs, max_num_batched_tokens, enable_prefix_caching and
         # schedule_policy from ``config`` (validated when it was built).
         self.kv = kv_manager
         self.config = config
         self.max_model_len = max_model_len
+        self.chunk_index = chunk_index  # None: no chunk reuse, nothing recorded
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_blend_fallbacks = 0  # opted-in requests run exactly: too big for one step
         # KV tiers below the pool (an offload.KVOffload, set by the engine; None: off) and
         # the requests parked while their tier loads run (see _park_for_tier_loads).
         self.tiers: Any = None
@@ -136,6 +149,7 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
+        release_pins(self.kv, request)
         self._forget_tier_loads(request)
         self.kv.free(request)
 
@@ -192,8 +206,19 @@ class Scheduler:
                             continue
                         staged = self.tiers.take(request, len(blocks))
                 num_loaded = len(staged) * self.kv.block_size if staged else 0
-                num_new = min(request.num_tokens - num_computed - num_loaded, budget)
-                allocated = self.kv.allocate_slots(request, num_loaded + num_new, blocks)
+                plan = self._plan_blend(request, num_computed + num_loaded)
+                allocated = None
+                if plan is not None:
+                    if len(plan.positions) > budget:  # one step, whole: wait for room
+                        break
+                    num_new = len(plan.positions)
+                    allocated = admit_blended(self.kv, request, plan, blocks, num_computed)
+                if allocated is None:  # the exact path (also when pinning left no room)
+                    num_new = min(request.num_tokens - num_computed - num_loaded, budget)
+                    allocated = self.kv.allocate_slots(request, num_loaded + num_new, blocks)
+                    if allocated is not None and plan is not None:
+                        self.num_blend_fallbacks += 1
+                        plan = None
                 if allocated is not None and staged:
                     self._install_loaded(request, staged, len(blocks))
             except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
@@ -201,6 +226,7 @@ class Scheduler:
                 continue
             if allocated is None:
                 break
+            request.blend_tried = True
             if self.config.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
                 if self.tiers is not None:
@@ -217,7 +243,13 @@ class Scheduler:
                     )
             self.running.append(request)
             block_table = self.kv.block_table(request)
-            out.chunks.append(ScheduledChunk(request, num_computed, num_new, block_table))
+            if plan is None:
+                out.chunks.append(ScheduledChunk(request, num_computed, num_new, block_table))
+            else:  # explicit positions: the slice ends at the prompt's end (its ``end``)
+                start = request.num_tokens - num_new
+                out.chunks.append(
+                    ScheduledChunk(request, start, num_new, block_table, positions=plan.positions)
+                )
             budget -= num_new
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
@@ -228,7 +260,16 @@ class Scheduler:
         requests that sampled, in order, finished or not.
         """
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.end
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            release_pins(self.kv, request)
+            if (
+                request.chunk_spans
+                and not request.chunks_recorded
+                and self.chunk_index is not None
+                and request.num_computed_tokens >= request.num_prompt_tokens
+            ):
+                record_chunks(self.chunk_index, self.kv, request)
         sampling = [chunk.request for chunk in out.chunks if chunk.samples]
         now = time.perf_counter()
         for request, token in zip(sampling, sampled, strict=True):
@@ -248,6 +289,19 @@ class Scheduler:
         if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _plan_blend(self, request: Request, num_computed: int) -> BlendPlan | None:
+        """An opted-in request's blended prefill at first admission, or None (exact path).
+
+        A plan larger than one step's token budget falls back to the exact path (counted)."""
+        if request.reuse is None or request.blend_tried or self.chunk_index is None:
+            return None
+        plan = plan_request(request, num_computed, self.chunk_index, self.kv)
+        if plan is not None and len(plan.positions) > self.config.max_num_batched_tokens:
+            request.blend_tried = True
+            self.num_blend_fallbacks += 1
+            return None
+        return plan
 
     def _order_by_cached_prefix(self, out: SchedulerOutput) -> None:
         cached: dict[Request, int] = {}
@@ -316,11 +370,13 @@ class Scheduler:
                 self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = "abort"
+        release_pins(self.kv, request)
         self._forget_tier_loads(request)
         self.kv.discard(request, request.num_computed_tokens)
         out.failed.append((request, exc))
 
     def _preempt(self, request: Request) -> None:
+        release_pins(self.kv, request)
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

@@ -19,11 +19,13 @@ from ragkv.errors import RagkvError
 if TYPE_CHECKING:
     from ragkv.assembler import SystemPrompt, Volatile
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
     from ragkv.pipeline import Answer, Pipeline
 
 _LAZY = {
     "Pipeline": "ragkv.pipeline",
     "Answer": "ragkv.pipeline",
+    "BlendConfig": "ragkv.cache_engine.chunk_reuse",
     "Engine": "ragkv.cache_engine",
     "EngineConfig": "ragkv.cache_engine",
     "SamplingParams": "ragkv.cache_engine",
@@ -41,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Answer",
+    "BlendConfig",
     "Engine",
     "EngineConfig",
     "Pipeline",

@@ -18,6 +18,7 @@ from typing import Any
 
 from ragkv.assembler import Assembler, PromptPlan
 from ragkv.assembler.structured import SystemLike
+from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -79,6 +80,13 @@ class Pipeline:
     system-prompt heads, prefix tree), so one tenant's traffic never reorders, or reveals,
     another's prompts; at most ``max_namespaces`` are remembered (least recently used
     forgotten). Requests without either share the base assembler.
+
+    ``reuse="blend"`` opts every request into position-independent chunk reuse (an
+    in-process :class:`~ragkv.cache_engine.Engine` only): the plan's chunk spans go to the
+    engine, and a retrieved chunk whose K/V was computed in an earlier prompt, at another
+    position, is reused with ``blend``'s strategy (default ``BlendConfig()``: first-k). Such
+    answers are approximate and say so (``answer.output.approximate``,
+    ``usage.reused_nonprefix_tokens``); ``None`` (default) keeps every answer exact.
     """
 
     def __init__(
@@ -94,9 +102,12 @@ class Pipeline:
         default_params: SamplingParams | None = None,
         isolate_by_salt: bool = False,
         max_namespaces: int = 1024,
+        reuse: str | None = None,
+        blend: BlendConfig | None = None,
     ) -> None:
         if max_namespaces < 1:
             raise ConfigError(f"max_namespaces must be >= 1, got {max_namespaces}.")
+        self.blend = _check_reuse(engine, reuse, blend)
         self.engine = engine
         self.deduplicator = deduplicator or Deduplicator()
         self.assembler = assembler or Assembler(
@@ -180,7 +191,10 @@ class Pipeline:
             question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         output = self.engine.generate(
-            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+            prepared.plan.token_ids,
+            params or self.default_params,
+            cache_salt=cache_salt,
+            **self._reuse_kwargs(prepared.plan),
         )
         return _answer(prepared, output)
 
@@ -199,7 +213,10 @@ class Pipeline:
             question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         for delta in self.engine.stream(
-            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+            prepared.plan.token_ids,
+            params or self.default_params,
+            cache_salt=cache_salt,
+            **self._reuse_kwargs(prepared.plan),
         ):
             yield _answer_delta(prepared, delta)
 
@@ -219,7 +236,10 @@ class Pipeline:
             self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         output = await self.engine.agenerate(
-            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+            prepared.plan.token_ids,
+            params or self.default_params,
+            cache_salt=cache_salt,
+            **self._reuse_kwargs(prepared.plan),
         )
         return _answer(prepared, output)
 
@@ -238,9 +258,40 @@ class Pipeline:
             self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         async for delta in self.engine.astream(
-            prepared.plan.token_ids, params or self.default_params, cache_salt=cache_salt
+            prepared.plan.token_ids,
+            params or self.default_params,
+            cache_salt=cache_salt,
+            **self._reuse_kwargs(prepared.plan),
         ):
             yield _answer_delta(prepared, delta)
+
+    def _reuse_kwargs(self, plan: PromptPlan) -> dict[str, Any]:
+        """The engine's chunk reuse arguments for ``plan`` (none unless the pipeline opted in)."""
+        if self.blend is None:
+            return {}
+        spans = [(span.start, span.end) for span in plan.spans("chunk")]
+        return {"chunk_spans": spans, "reuse": self.blend}
+
+
+def _check_reuse(
+    engine: EngineLike, reuse: str | None, blend: BlendConfig | None
+) -> BlendConfig | None:
+    """The pipeline's chunk reuse strategy, or None (exact answers only)."""
+    if reuse is None:
+        if blend is not None:
+            raise ConfigError("blend=BlendConfig(...) needs reuse='blend'", param="blend")
+        return None
+    if reuse != "blend":
+        raise ConfigError(f"unknown reuse {reuse!r}; use None or 'blend'", param="reuse")
+    if blend is not None and not isinstance(blend, BlendConfig):
+        raise ConfigError(f"blend must be a BlendConfig, got {type(blend).__name__}", param="blend")
+    if not getattr(engine, "supports_chunk_reuse", False):
+        raise ConfigError(
+            f"reuse='blend' needs the in-process Engine; {type(engine).__name__} cannot reuse "
+            "chunks at another position",
+            param="reuse",
+        )
+    return blend or BlendConfig()
 
 
 def _answer(prepared: Prepared, output: Output) -> Answer:

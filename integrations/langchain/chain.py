@@ -10,6 +10,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
 from ragkv.assembler.structured import SystemLike
+from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Deduplicator
 from ragkv.integrations.langchain.chat_model import ChatRagKV
 from ragkv.integrations.langchain.documents import document_to_chunk
@@ -24,6 +25,8 @@ def create_rag_chain(
     deduplicator: Deduplicator | None = None,
     order: str = "stable-first",
     max_prompt_tokens: int | None = None,
+    reuse: str | None = None,
+    blend: BlendConfig | None = None,
 ) -> Runnable[str | dict[str, Any], dict[str, Any]]:
     """A runnable answering a question from ``retriever``'s documents with ``chat_model``.
 
@@ -36,13 +39,17 @@ def create_rag_chain(
     (see :mod:`ragkv.assembler.structured`). Output: a dict
     with ``answer`` (str), ``usage`` (LangChain ``UsageMetadata``, ``cache_read`` included),
     ``documents`` (the retrieved ones), ``plan`` (the :class:`~ragkv.assembler.PromptPlan`)
-    and ``result`` (the full :class:`ragkv.Answer`).
+    and ``result`` (the full :class:`ragkv.Answer`). ``reuse="blend"`` (with ``blend``) opts
+    into approximate chunk reuse, as :class:`ragkv.Pipeline` does
+    (``result.output.approximate``).
     """
     pipeline = Pipeline(
         chat_model.get_engine(),
         deduplicator=deduplicator,
         order=order,
         max_prompt_tokens=max_prompt_tokens,
+        reuse=reuse,
+        blend=blend,
     )
 
     def run(inputs: str | dict[str, Any], config: RunnableConfig) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragkv.assembler.structured import SystemLike
+from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Chunk, Deduplicator
 from ragkv.integrations._documents import make_chunk
 from ragkv.pipeline import Answer, Pipeline
@@ -41,6 +42,9 @@ class RagKVSynthesizer(BaseSynthesizer):
     ``SystemPrompt(template, **values)``, see :mod:`ragkv.assembler.structured`); set
     ``synthesizer.system`` before a query to change it per request.
 
+    ``reuse="blend"`` (with ``blend``) opts into approximate chunk reuse, as
+    :class:`ragkv.Pipeline` does (``usage`` then carries ``reused_nonprefix_tokens``).
+
     Use: ``index.as_query_engine(llm=llm, response_synthesizer=RagKVSynthesizer(llm))``.
     """
 
@@ -52,6 +56,8 @@ class RagKVSynthesizer(BaseSynthesizer):
         deduplicator: Deduplicator | None = None,
         order: str = "stable-first",
         max_prompt_tokens: int | None = None,
+        reuse: str | None = None,
+        blend: BlendConfig | None = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = MetadataMode.LLM,
     ) -> None:
@@ -63,6 +69,8 @@ class RagKVSynthesizer(BaseSynthesizer):
             deduplicator=deduplicator,
             order=order,
             max_prompt_tokens=max_prompt_tokens,
+            reuse=reuse,
+            blend=blend,
         )
 
     def _get_prompts(self) -> PromptDictType:

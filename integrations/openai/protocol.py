@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.sampling_params import (
     json_field,
     json_ints,
@@ -92,10 +93,13 @@ class RequestLimits:
 
 @dataclass(slots=True)
 class RagContext:
-    """The ``ragkv`` extension of a chat request: retrieved chunks and an optional system."""
+    """The ``ragkv`` extension of a chat request: retrieved chunks, an optional system and
+    the opt-in to position-independent chunk reuse (``"reuse": "blend"``, with an optional
+    ``"strategy"`` and ``"k"``; honoured only by a server started with ``--reuse blend``)."""
 
     chunks: list[Chunk]
     system: str | None = None
+    reuse: BlendConfig | None = None
 
 
 @dataclass(slots=True)
@@ -323,7 +327,32 @@ def _rag(value: Any, limits: RequestLimits) -> RagContext:
                 raise APIError(400, f"{param} must be a string or {{content, ...}}", param=param)
         except InvalidInputError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from exc
-    return RagContext(parsed, _get(value, "system", str, None, "ragkv."))
+    return RagContext(parsed, _get(value, "system", str, None, "ragkv."), _reuse(value))
+
+
+MAX_REUSE_K = 1024  # tokens recomputed per reused chunk: more is a full recompute anyway
+
+
+def _reuse(value: dict[str, Any]) -> BlendConfig | None:
+    """``ragkv.reuse`` / ``ragkv.strategy`` / ``ragkv.k``: the request's chunk reuse opt-in."""
+    reuse = _get(value, "reuse", str, None, "ragkv.")
+    if reuse is None:
+        for name in ("strategy", "k"):
+            if value.get(name) is not None:
+                raise APIError(
+                    400, f"ragkv.{name} needs ragkv.reuse='blend'", param=f"ragkv.{name}"
+                )
+        return None
+    if reuse != "blend":
+        raise APIError(400, "ragkv.reuse must be 'blend' (or absent)", param="ragkv.reuse")
+    strategy = _get(value, "strategy", str, "first-k", "ragkv.")
+    k = value.get("k", BlendConfig().k)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_REUSE_K:
+        raise APIError(400, f"ragkv.k must be an int in [0, {MAX_REUSE_K}]", param="ragkv.k")
+    try:
+        return BlendConfig(strategy, k=k)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="ragkv.strategy") from exc
 
 
 def _chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:

@@ -131,6 +131,14 @@ def request_schemas(
                 "properties": {
                     "chunks": {"type": "array", "items": chunk, "maxItems": limits.max_chunks},
                     "system": {"type": ["string", "null"]},
+                    "reuse": {
+                        "type": ["string", "null"],
+                        "enum": ["blend", None],
+                        "description": "opt-in position-independent chunk reuse (approximate; "
+                        "servers started with --reuse blend)",
+                    },
+                    "strategy": {"type": ["string", "null"], "enum": ["none", "first-k", None]},
+                    "k": {"type": ["integer", "null"], "minimum": 0, "maximum": 1024},
                 },
             },
             "logprobs": {"type": ["boolean", "null"], "enum": [False, None]},

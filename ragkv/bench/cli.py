@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ragkv.bench.lanes import ALL_LANES, LANES, TIERS_LANE
+from ragkv.bench.lanes import ALL_LANES, BLEND_LANE, LANES, TIERS_LANE
 from ragkv.cache_engine.config import DEFAULTS, KV_TIER_WRITE_POLICIES
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
@@ -50,6 +50,18 @@ def add_parser(subparsers: Any) -> None:
         default=",".join(LANES),
         help=f"comma-separated lanes (default {','.join(LANES)}; also: "
         f"{', '.join(n for n in ALL_LANES if n not in LANES)})",
+    )
+    p.add_argument(
+        "--reuse",
+        choices=("blend",),
+        help=f"add the {BLEND_LANE} lane: the ragkv lane's prompts with opt-in position-"
+        "independent chunk reuse (approximate; compared with ragkv's greedy outputs)",
+    )
+    p.add_argument(
+        "--blend-k",
+        type=int,
+        help="tokens recomputed at the start of each reused chunk in the ragkv+blend lane "
+        "(default: BlendConfig's, 16; 0 is naive reuse)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -193,6 +205,7 @@ def _run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         order=args.order,
         lanes=bench_lanes(args),
+        blend_k=args.blend_k,
         progress=not args.no_progress,
         host_cache_bytes=args.host_cache_bytes,
         kv_store_dir=args.kv_store_dir,
@@ -240,11 +253,14 @@ def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
 
 
 def bench_lanes(args: argparse.Namespace) -> list[str]:
-    """``--lanes``, plus the tiers lane when a tier flag asks for it."""
+    """``--lanes``, plus the tiers lane when a tier flag asks for it, and the chunk reuse
+    lane with ``--reuse blend``."""
     lanes = [name.strip() for name in args.lanes.split(",") if name.strip()]
     wants_tiers = args.host_cache_bytes is not None or args.kv_store_dir is not None
     if wants_tiers and TIERS_LANE not in lanes:
         lanes.append(TIERS_LANE)
+    if args.reuse == "blend" and BLEND_LANE not in lanes:
+        lanes.append(BLEND_LANE)
     return lanes
 
 
@@ -252,7 +268,7 @@ def _print_estimate(args: argparse.Namespace, workload: Any) -> Any:
     """Print the ETA (to stderr, so ``--json -`` stays clean) before the lanes start."""
 
     def show(seconds: float) -> None:
-        lanes = args.lanes.count(",") + 1
+        lanes = len(bench_lanes(args))
         print(
             f"ragkv bench: {lanes} lanes x {len(workload.requests)} {workload.name} requests, "
             f"estimated {seconds / 60:.1f} min on this machine (calibrated by one prefill)",

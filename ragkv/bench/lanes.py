@@ -20,6 +20,13 @@ runs twice: the second run, ``ragkv+tiers/restart``, is a new engine on the same
 ``ragkv/unbounded`` (opt-in) is the ``ragkv`` lane with a pool that holds every distinct
 block of the workload: what the tiers can at best recover.
 
+``ragkv bench --reuse blend`` adds an opt-in fifth lane, ``ragkv+blend``: the ``ragkv``
+lane's own prompts (token ids and chunk spans, the same follow-up histories) replayed on a
+fresh engine with position-independent chunk reuse (``BlendConfig()`` unless ``--blend-k``
+says otherwise). Its answers are
+approximate, so it is left out of the determinism check and compared with ``ragkv``'s
+greedy outputs instead.
+
 The replay is a closed loop: at most ``concurrency`` requests in flight, dispatched in
 workload order; a follow-up waits until its session's previous turn has answered, because
 its history holds that answer (each lane's own answer).
@@ -28,6 +35,7 @@ its history holds that answer (each lane's own answer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,6 +47,7 @@ from ragkv.bench.workload import RequestSpec, Workload
 from ragkv.errors import ConfigError
 
 LANES = ("no-cache", "apc", "apc+assembler", "ragkv")
+BLEND_LANE = "ragkv+blend"  # opt-in (--reuse blend): replays the ragkv lane's prompts
 TIERS_LANE = "ragkv+tiers"
 RESTART_LANE = "ragkv+tiers/restart"
 UNBOUNDED_LANE = "ragkv/unbounded"
@@ -56,6 +65,7 @@ class LaneSpec:
     demote_invalidators: bool
     tiers: bool = False  # KV tiers below the pool (host memory, disk)
     unbounded_pool: bool = False  # a pool that holds every distinct block (a reference)
+    reuse: bool = False  # position-independent chunk reuse (approximate)
 
 
 def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list[LaneSpec]:
@@ -68,10 +78,13 @@ def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list
         TIERS_LANE: LaneSpec(TIERS_LANE, True, order, True, True, tiers=True),
         RESTART_LANE: LaneSpec(RESTART_LANE, True, order, True, True, tiers=True),
         UNBOUNDED_LANE: LaneSpec(UNBOUNDED_LANE, True, order, True, True, unbounded_pool=True),
+        BLEND_LANE: LaneSpec(BLEND_LANE, True, order, True, True, reuse=True),
     }
     unknown = [n for n in names if n not in table]
     if unknown or not names:
-        raise ConfigError(f"unknown lane(s) {unknown}; choose from {', '.join(ALL_LANES)}")
+        raise ConfigError(
+            f"unknown lane(s) {unknown}; choose from {', '.join((*ALL_LANES, BLEND_LANE))}"
+        )
     return [table[n] for n in names]
 
 
@@ -91,6 +104,7 @@ class RequestRecord:
     e2e_s: float  # dedup + assembly + engine total
     chunks_in: int
     chunks_out: int
+    reused_nonprefix_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -104,6 +118,7 @@ class LaneResult:
     load_s: float
     kv_cache_tokens: int
     answers: list[Any] = field(default_factory=list)  # Answer objects, when kept
+    sessions: dict[int, str] = field(default_factory=dict)  # request index -> session id
 
 
 def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
@@ -157,9 +172,86 @@ def run_lane(
         _record(spec, pipeline, request, answer)
         for request, answer in zip(workload.requests, answers, strict=True)
     ]
+    sessions = {r.index: r.session_id for r in workload.requests}
     return LaneResult(
-        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else []
+        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else [], sessions
     )
+
+
+def run_blend_lane(
+    spec: LaneSpec,
+    exact: LaneResult,
+    make_engine: Callable[[LaneSpec], Any],
+    params: Any,
+    *,
+    concurrency: int = 8,
+    blend: Any = None,
+) -> LaneResult:
+    """Replay the exact ``ragkv`` lane's prompts (kept answers) with chunk reuse on
+    (``blend``: a :class:`~ragkv.cache_engine.chunk_reuse.BlendConfig`, default its default)."""
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
+
+    blend = blend or BlendConfig()
+    started = time.perf_counter()
+    engine = make_engine(spec)
+    load_s = time.perf_counter() - started
+    try:
+        t0 = time.perf_counter()
+        outputs = _run_coroutine(_replay_plans(engine, exact, params, blend, concurrency))
+        wall_s = time.perf_counter() - t0
+        stats = engine.stats()
+        kv_tokens = engine.kv_cache_tokens
+    finally:
+        engine.close()
+    records = []
+    for base, answer, output in zip(exact.records, exact.answers, outputs, strict=True):
+        prep = answer.timings["dedup_s"] + answer.timings["assemble_s"]
+        t = output.timings
+        records.append(
+            dataclasses.replace(
+                base,
+                token_ids=output.token_ids,
+                text=output.text,
+                cached_tokens=output.usage.cached_tokens,
+                completion_tokens=output.usage.completion_tokens,
+                ttft_s=prep + t.ttft_s,
+                e2e_s=prep + t.total_s,
+                reused_nonprefix_tokens=output.usage.reused_nonprefix_tokens,
+            )
+        )
+    return LaneResult(spec, records, stats, wall_s, load_s, kv_tokens)
+
+
+async def _replay_plans(
+    engine: Any, exact: LaneResult, params: Any, blend: Any, concurrency: int
+) -> list[Any]:
+    """The exact lane's plans in workload order, a session's turns one after another."""
+    slots = asyncio.Semaphore(concurrency)
+    last: dict[str, asyncio.Task[Any]] = {}
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def one(plan: Any) -> Any:
+        try:
+            spans = [(s.start, s.end) for s in plan.spans("chunk")]
+            return await engine.agenerate(plan.token_ids, params, chunk_spans=spans, reuse=blend)
+        finally:
+            slots.release()
+
+    try:
+        for answer, record in zip(exact.answers, exact.records, strict=True):
+            session = exact.sessions[record.index] if exact.sessions else str(record.index)
+            previous = last.get(session)
+            if previous is not None:
+                await previous
+            await slots.acquire()
+            last[session] = task = asyncio.create_task(one(answer.plan))
+            tasks.append(task)
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # cancelling aborts the request in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _run_coroutine(coro: Any) -> Any:
@@ -229,6 +321,7 @@ def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) ->
         e2e_s=prep + t["total_s"],
         chunks_in=answer.dedup.chunks_in,
         chunks_out=answer.dedup.chunks_out,
+        reused_nonprefix_tokens=usage.reused_nonprefix_tokens,
     )
 
 

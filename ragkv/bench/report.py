@@ -50,6 +50,7 @@ def lane_summary(result: LaneResult) -> dict[str, Any]:
         "dedup_removed_tokens": sum(r.dedup_removed_tokens for r in records),
         "prefill_tokens_computed": stats.prefill_tokens_computed,
         "cached_tokens": cached,
+        "reused_nonprefix_tokens": sum(r.reused_nonprefix_tokens for r in records),
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),
@@ -82,6 +83,8 @@ def determinism(
     """
     seen: dict[tuple[int, ...], list[tuple[str, int, list[int]]]] = {}
     for result in results:
+        if result.spec.reuse:  # approximate by design: see blend_agreement
+            continue
         for r in result.records:
             seen.setdefault(tuple(r.prompt_token_ids), []).append(
                 (result.spec.name, r.index, r.token_ids)
@@ -145,6 +148,25 @@ def ratios(lanes: dict[str, dict[str, Any]], kind: str = "synthetic") -> dict[st
     return out
 
 
+def blend_ratios(results: Sequence[LaneResult]) -> dict[str, float]:
+    """The chunk reuse lane against the exact ragkv lane whose prompts it replayed:
+    prefill tokens computed, and the share of requests with the same greedy output."""
+    by_name = {r.spec.name: r for r in results}
+    blend = next((r for r in results if r.spec.reuse), None)
+    exact = by_name.get("ragkv")
+    if blend is None or exact is None:
+        return {}
+    out: dict[str, float] = {}
+    if exact.stats.prefill_tokens_computed:
+        out["prefill_blend_vs_ragkv"] = (
+            blend.stats.prefill_tokens_computed / exact.stats.prefill_tokens_computed
+        )
+    pairs = list(zip(exact.records, blend.records, strict=True))
+    same = sum(a.token_ids == b.token_ids for a, b in pairs)
+    out["greedy_agreement_blend_vs_ragkv"] = same / len(pairs) if pairs else 1.0
+    return out
+
+
 def tier_ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The KV tiers lane against ragkv (same pool), the unbounded pool, and its restart."""
     out: dict[str, float] = {}
@@ -204,7 +226,10 @@ def build_report(
         "workload": workload.params,
         "machine": machine,
         "determinism": determinism(results, strict=strict),
-        "ratios": ratios(lanes, workload.params.get("kind", "synthetic")),
+        "ratios": {
+            **ratios(lanes, workload.params.get("kind", "synthetic")),
+            **blend_ratios(results),
+        },
     }
 
 

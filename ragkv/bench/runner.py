@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.bench.lanes import (
+    BLEND_LANE,
     LANES,
     RESTART_LANE,
     TIERS_LANE,
@@ -18,12 +19,13 @@ from ragkv.bench.lanes import (
     LaneResult,
     LaneSpec,
     lane_specs,
+    run_blend_lane,
     run_lane,
 )
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
 from ragkv.cache_engine.config import DEFAULTS
-from ragkv.errors import PromptTooLongError
+from ragkv.errors import ConfigError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class BenchConfig:
     kv_store_bytes: int = DEFAULTS.kv_store_bytes
     kv_tier_write_policy: str = DEFAULTS.kv_tier_write_policy
     restart: bool = False
+    blend_k: int | None = None  # the ragkv+blend lane's first-k (None: BlendConfig's default)
 
 
 def model_path(model: str | None) -> Path:
@@ -177,6 +180,7 @@ def estimate_seconds(
         "ragkv+tiers": profile.distinct_tokens,
         "ragkv+tiers/restart": profile.distinct_tokens,
         "ragkv/unbounded": profile.distinct_tokens,
+        BLEND_LANE: profile.distinct_tokens / 2,
     }
     prefill = sum(computed.get(name, profile.sent_tokens) for name in lanes) * per_token_s
     steps = profile.requests * max_tokens / max(1, min(concurrency, profile.requests))
@@ -196,6 +200,7 @@ def run_bench(
     from transformers import AutoTokenizer
 
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
 
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
@@ -263,19 +268,36 @@ def run_bench(
             + len(names) * load_s
         )
     params = SamplingParams(max_tokens=config.max_tokens)
+    blend = any(spec.reuse for spec in lanes)
+    if blend and "ragkv" not in config.lanes:
+        raise ConfigError(f"the {BLEND_LANE} lane replays the ragkv lane's prompts: add ragkv")
     try:
-        results = [
-            run_lane(
-                spec,
-                workload,
-                make_engine,
-                params,
-                concurrency=config.concurrency,
-                progress=config.progress,
-                keep_answers=config.keep_answers,
+        results = []
+        for spec in lanes:
+            if spec.reuse:
+                exact = next(r for r in results if r.spec.name == "ragkv")
+                results.append(
+                    run_blend_lane(
+                        spec,
+                        exact,
+                        make_engine,
+                        params,
+                        concurrency=config.concurrency,
+                        blend=None if config.blend_k is None else BlendConfig(k=config.blend_k),
+                    )
+                )
+                continue
+            results.append(
+                run_lane(
+                    spec,
+                    workload,
+                    make_engine,
+                    params,
+                    concurrency=config.concurrency,
+                    progress=config.progress,
+                    keep_answers=config.keep_answers or (blend and spec.name == "ragkv"),
+                )
             )
-            for spec in lanes
-        ]
     except PromptTooLongError as exc:
         raise PromptTooLongError(
             f"{exc}. For the bench: lower --chunk-size or --top-k, or use a longer-context model"

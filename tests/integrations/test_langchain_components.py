@@ -205,3 +205,20 @@ def test_timeout_aborts_the_generation(engine):
     model = ChatRagKV(engine=engine, max_tokens=200, timeout=0.0)
     with pytest.raises(RequestAbortedError, match="timed out"):
         model.invoke("Write a long story.")
+
+
+def test_rag_chain_passes_chunk_reuse_through_the_pipeline(engine, passages):
+    from ragkv import BlendConfig
+
+    model = ChatRagKV(engine=engine, max_tokens=2, cache_salt="chain-blend")
+
+    def chain(docs):
+        retriever = ListRetriever(docs=[Document(p) for p in docs])
+        return create_rag_chain(
+            retriever, model, order="retrieval", reuse="blend", blend=BlendConfig(k=2)
+        )
+
+    first = chain(passages[:3]).invoke("What is this about?")["result"]
+    assert not first.output.approximate  # nothing known yet: exact, and its chunks recorded
+    moved = chain([passages[3], passages[2], passages[0]]).invoke("And this?")["result"]
+    assert moved.output.approximate and moved.usage.reused_nonprefix_tokens > 0

@@ -138,6 +138,18 @@ def test_synthesizer_assembles_nodes_as_chunks_and_hits_the_cache(engine, passag
     assert second.metadata["usage"]["prompt_tokens_details"]["cached_tokens"] > chunk_tokens
 
 
+def test_synthesizer_passes_chunk_reuse_through_the_pipeline(engine, passages):
+    from ragkv import BlendConfig
+
+    llm = RagKVLLM(engine=engine, max_tokens=2)
+    synth = RagKVSynthesizer(llm, order="retrieval", reuse="blend", blend=BlendConfig(k=2))
+    nodes = [NodeWithScore(node=TextNode(text=p), score=1.0) for p in passages]
+    first = synth.synthesize("First?", nodes)
+    assert "reused_nonprefix_tokens" not in first.metadata["usage"]
+    moved = synth.synthesize("Moved?", nodes[1:])  # the later chunks at new positions
+    assert moved.metadata["usage"]["reused_nonprefix_tokens"] > 0
+
+
 def test_streamed_completion_fires_an_instrumentation_event_per_token(engine, recorder):
     llm = RagKVLLM(engine=engine, max_tokens=6)
     responses = list(llm.stream_complete("Tell me something."))

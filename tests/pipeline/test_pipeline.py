@@ -130,3 +130,44 @@ def test_isolated_namespaces_are_bounded(engine, passages):
     pipe.assembler_for("b")
     pipe.assembler_for("c")
     assert pipe.assembler_for("a") is not first  # "a" was forgotten, a fresh fork serves it
+
+
+def test_reuse_blend_reuses_a_chunk_seen_at_another_position(engine, passages):
+    blend = ragkv.BlendConfig("first-k", k=2)
+    pipe = ragkv.Pipeline(engine, order="retrieval", reuse="blend", blend=blend)
+    salt = "blend-pipeline"  # its own prefix cache and chunk index entries
+    first = pipe.answer("Q one?", passages[:3], system=SYSTEM, params=PARAMS, cache_salt=salt)
+    assert not first.output.approximate and first.usage.reused_nonprefix_tokens == 0
+    moved = [passages[4], passages[2], passages[0]]  # two known chunks, new context before
+    second = pipe.answer("Q two?", moved, system=SYSTEM, params=PARAMS, cache_salt=salt)
+    spans = second.plan.spans("chunk")
+    known = sum(s.end - s.start - 2 for s in spans[1:])
+    assert second.output.approximate and second.usage.reused_nonprefix_tokens == known
+    streamed = list(
+        pipe.stream("Q two?", moved[::-1], system=SYSTEM, params=PARAMS, cache_salt=salt)
+    )[-1].answer
+    assert streamed.usage.reused_nonprefix_tokens > 0
+    exact = ragkv.Pipeline(engine, order="retrieval").answer(
+        "Q two?", moved, system=SYSTEM, params=PARAMS, cache_salt=salt
+    )
+    assert not exact.output.approximate and exact.usage.reused_nonprefix_tokens == 0
+
+
+def test_reuse_settings_are_checked(engine):
+    from ragkv.errors import ConfigError
+
+    for kwargs, param in [
+        ({"reuse": "magic"}, "reuse"),
+        ({"blend": ragkv.BlendConfig()}, "blend"),
+        ({"reuse": "blend", "blend": "first-k"}, "blend"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            ragkv.Pipeline(engine, **kwargs)
+        assert err.value.param == param
+
+    class Remote:  # an EngineLike without chunk reuse (e.g. RemoteEngine)
+        tokenizer, block_size = engine.tokenizer, engine.block_size
+
+    with pytest.raises(ConfigError) as err:
+        ragkv.Pipeline(Remote(), reuse="blend")
+    assert err.value.param == "reuse"

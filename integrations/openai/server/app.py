@@ -88,6 +88,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     model_name: str | None = None,
+    reuse: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -99,7 +100,10 @@ def create_app(
     ``model_name`` is the id clients must send as ``model`` (default: the engine's
     ``model_name``); requests naming another model get 404. A given pipeline must isolate
     its learned state per salt (``Pipeline(engine, isolate_by_salt=True)``). The caller owns
-    the engine and closes it; the app never does.
+    the engine and closes it; the app never does. ``reuse="blend"`` (in-process engine only)
+    lets chat requests opt into position-independent chunk reuse with ``"ragkv": {"chunks":
+    [...], "reuse": "blend"}``; their answers are approximate and their usage says how many
+    prompt tokens were reused that way (``reused_nonprefix_tokens``).
     """
     from ragkv.pipeline import Pipeline
 
@@ -119,6 +123,10 @@ def create_app(
     # What only an in-process engine can tell (context, vocabulary, health, stats); a
     # pipeline over a RemoteEngine is served without it.
     local = engine if isinstance(engine, Engine) else None
+    if reuse not in (None, "blend"):
+        raise ConfigError(f"unknown reuse {reuse!r}; use None or 'blend'", param="reuse")
+    if reuse is not None and local is None:
+        raise ConfigError("reuse='blend' needs the in-process Engine", param="reuse")
     if limits.max_prompt_tokens is None and local is not None:
         limits = dataclasses.replace(limits, max_prompt_tokens=local.max_model_len - 1)
     served = Served(
@@ -130,6 +138,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         request_timeout_s=request_timeout_s,
         metrics=ServerMetrics(local),
+        reuse=reuse,
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served
@@ -192,10 +201,12 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     @_answered_here
     async def chat_completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_chat)
-        token_ids, extra = await asyncio.to_thread(_chat_prompt, served, parsed)
+        token_ids, extra, reuse = await asyncio.to_thread(_chat_prompt, served, parsed)
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
         proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
-        return await generate(request, served, parsed, token_ids, chat=True, extra=extra)
+        return await generate(
+            request, served, parsed, token_ids, chat=True, extra=extra, reuse=reuse
+        )
 
 
 def _answered_here(
@@ -300,8 +311,19 @@ def _tokenize(engine: Any, text: str) -> list[int]:
     return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _chat_prompt(served: Served, parsed: GenerationRequest) -> tuple[list[int], dict | None]:
-    """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``."""
+def _chat_prompt(
+    served: Served, parsed: GenerationRequest
+) -> tuple[list[int], dict | None, dict[str, Any]]:
+    """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``;
+    plus the engine's chunk reuse arguments (the plan's chunk spans on a ``--reuse blend``
+    server, so exact answers record their chunks, and the request's opt-in)."""
+    if parsed.rag is not None and parsed.rag.reuse is not None and served.reuse is None:
+        raise APIError(
+            400,
+            "this server does not reuse chunks at another position; start it with "
+            "--reuse blend, or leave ragkv.reuse out",
+            param="ragkv.reuse",
+        )
     if parsed.rag is None:
         try:
             text = render_chat(served.engine.tokenizer, parsed.messages)
@@ -309,7 +331,7 @@ def _chat_prompt(served: Served, parsed: GenerationRequest) -> tuple[list[int], 
             raise APIError(
                 400, f"the chat template rejected messages: {exc}", param="messages"
             ) from exc
-        return _tokenize(served.engine, text), None
+        return _tokenize(served.engine, text), None, {}
     messages = parsed.messages
     if messages[-1]["role"] != "user":
         raise APIError(
@@ -335,7 +357,11 @@ def _chat_prompt(served: Served, parsed: GenerationRequest) -> tuple[list[int], 
         "chunks_out": stats.chunks_out,
         "expected_cached_tokens": prepared.plan.expected_cached_tokens,
     }
-    return list(prepared.plan.token_ids), extra
+    reuse: dict[str, Any] = {}
+    if served.reuse is not None:
+        reuse["chunk_spans"] = [(s.start, s.end) for s in prepared.plan.spans("chunk")]
+        reuse["reuse"] = parsed.rag.reuse
+    return list(prepared.plan.token_ids), extra, reuse
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

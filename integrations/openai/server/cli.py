@@ -105,6 +105,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
     parser.add_argument(
+        "--reuse",
+        choices=("blend",),
+        default=None,
+        help="let chat requests opt into position-independent chunk reuse with "
+        '"ragkv": {"chunks": [...], "reuse": "blend", "k": 16} (approximate answers, '
+        "usage.reused_nonprefix_tokens); off by default",
+    )
+    parser.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="default: the model context"
     )
     parser.set_defaults(func=run)
@@ -159,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout,
             model_name=args.served_model_name,
+            reuse=args.reuse,
         )
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")

@@ -23,3 +23,4 @@ class Served:
     max_body_bytes: int
     request_timeout_s: float
     metrics: ServerMetrics
+    reuse: str | None = None  # "blend": requests may opt into chunk reuse (--reuse blend)

@@ -42,6 +42,7 @@ async def generate(
     *,
     chat: bool,
     extra: dict | None,
+    reuse: dict[str, Any] | None = None,
 ) -> Response:
     engine, local = served.engine, served.local
     max_tokens = parsed.max_tokens
@@ -53,7 +54,8 @@ async def generate(
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s
     request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
-    stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt)
+    # ``reuse``: chunk_spans / reuse for the engine (opt-in chunk reuse; see app._chat_prompt)
+    stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt, **(reuse or {}))
     served.metrics.in_flight.inc()
     try:
         # The first delta comes before any header, so a bad request still gets a 4xx.

@@ -1,0 +1,90 @@
+"""Model-free bound: how much prefill can chunk reuse save on a bench workload at best?
+
+Assembles the ``ragkv`` lane's prompts (tokenizer only, no model) and counts, per request,
+the prompt tokens an exact prefix cache computes (everything after the longest run of
+full blocks seen before) and what chunk reuse would compute on top: chunks after that
+prefix that appeared in any earlier prompt are copied, except ``k`` tokens each. It is
+optimistic on purpose: an unbounded pool (nothing evicted), every earlier block cacheable
+(blended requests' blocks are not, in the engine), every earlier chunk recorded. A
+follow-up's earlier answers stand in as 8 filler words.
+
+Usage: ``python benchmarks/blend_bound.py [--workload synthetic|production] [--ks 0,16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from types import SimpleNamespace
+
+from transformers import AutoTokenizer
+
+from ragkv.bench.lanes import build_pipeline, lane_specs
+from ragkv.bench.production import ProductionConfig, production_workload
+from ragkv.bench.workload import SyntheticConfig, synthetic_workload
+from ragkv.cache_engine import block_hashes, default_model_path
+
+
+def bound(workload, tokenizer, ks: list[int], block_size: int = 16) -> dict[str, float]:
+    stand_in = SimpleNamespace(tokenizer=tokenizer, block_size=block_size, knows_residency=False)
+    pipe = build_pipeline(lane_specs(["ragkv"])[0], stand_in)
+    turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+    blocks: set[bytes] = set()
+    chunks: set[tuple[int, ...]] = set()
+    prompt = exact = 0
+    blended = dict.fromkeys(ks, 0)
+    for r in workload.requests:
+        history = r.history if r.history is not None else turns[r.session_id]
+        plan = pipe.prepare(r.question, r.chunks, system=r.system, history=history).plan
+        ids = plan.token_ids
+        hashes = block_hashes(ids, block_size)
+        hit = 0
+        for h in hashes[: (len(ids) - 1) // block_size]:
+            if h not in blocks:
+                break
+            hit += block_size
+        blocks.update(hashes)
+        prompt += len(ids)
+        exact += len(ids) - hit
+        saved = dict.fromkeys(ks, 0)
+        for span in plan.spans("chunk"):
+            key = tuple(ids[span.start : span.end])
+            if span.start >= hit and key in chunks:
+                for k in ks:
+                    saved[k] += max(0, span.end - span.start - k)
+            chunks.add(key)
+        for k in ks:
+            blended[k] += len(ids) - hit - saved[k]
+        turns[r.session_id] += [
+            {"role": "user", "content": r.question},
+            {"role": "assistant", "content": " ".join(["answer"] * 8)},
+        ]
+    out = {"prompt_tokens": prompt, "exact_prefix_cache": exact}
+    for k in ks:
+        out[f"blend_k{k}"] = blended[k]
+        out[f"blend_k{k}_vs_exact"] = blended[k] / exact
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("synthetic", "production"), default="synthetic")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--ks", default="0,16")
+    args = p.parse_args()
+    if args.workload == "synthetic":
+        workload = synthetic_workload(
+            SyntheticConfig(requests=args.requests, topics=max(1, args.requests // 4))
+        )
+    else:
+        workload = production_workload(
+            ProductionConfig(requests=args.requests, passages=2 * args.requests)
+        )
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    ks = [int(k) for k in args.ks.split(",")]
+    for key, value in bound(workload, tokenizer, ks).items():
+        print(f"{key:>24}: {value:,.2f}" if isinstance(value, float) else f"{key:>24}: {value:,}")
+
+
+if __name__ == "__main__":
+    main()

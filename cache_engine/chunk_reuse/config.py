@@ -1,0 +1,89 @@
+"""What an opted-in request asks of chunk reuse: the strategy, and its chunk spans checked.
+
+Position-independent chunk reuse is approximate (Invariant 8): a chunk's K/V computed after
+one context is reused after another. A strategy says which reused tokens are computed
+again to repair the cross-chunk attention they missed:
+
+- ``"none"``: naive reuse, every reused token kept as copied;
+- ``"first-k"``: the first ``k`` tokens of every reused chunk are recomputed (EPIC's
+  observation: the attention sink at a chunk's start absorbs most of the damage).
+
+``"deviation"`` (CacheBlend's choice by KV deviation at an early layer) is not built: it
+needs every reused token's early-layer K/V computed first, which a single transformers
+forward over selected tokens cannot give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragkv.errors import ConfigError, InvalidInputError
+
+STRATEGIES: tuple[str, ...] = ("none", "first-k")
+MAX_CHUNK_SPANS = 256  # per request: a RAG prompt has tens of chunks, not thousands
+MIN_CHUNK_TOKENS = 4  # shorter spans are not worth a lookup; they are computed fresh
+
+
+@dataclass(frozen=True, slots=True)
+class BlendConfig:
+    """How an opted-in request reuses chunks found elsewhere (see the module docstring).
+
+    ``k``: tokens recomputed at the start of every reused chunk (``first-k``; 0 is naive).
+    """
+
+    strategy: str = "first-k"
+    k: int = 16
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown chunk reuse strategy {self.strategy!r}; use "
+                f"{' or '.join(map(repr, STRATEGIES))}",
+                param="strategy",
+            )
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= 1 << 16:
+            raise ConfigError(f"k must be an int in [0, 65536], got {self.k!r}", param="k")
+
+    def recomputed(self, chunk_len: int) -> int:
+        """How many leading tokens of a reused chunk of ``chunk_len`` tokens are recomputed."""
+        if self.strategy == "none":
+            return 0
+        return min(self.k, chunk_len)
+
+
+def check_chunk_spans(spans: object, num_tokens: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` as sorted ``(start, end)`` token offsets into a prompt of ``num_tokens``.
+
+    Raises :class:`~ragkv.errors.InvalidInputError` (``param="chunk_spans"``) unless they
+    are at most :data:`MAX_CHUNK_SPANS` int pairs with ``0 <= start < end <= num_tokens``,
+    in order and not overlapping (a plan's ``spans("chunk")`` always are).
+    """
+    if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
+        raise InvalidInputError(
+            "chunk_spans must be a list of (start, end) token offsets", param="chunk_spans"
+        )
+    if len(spans) > MAX_CHUNK_SPANS:
+        raise InvalidInputError(
+            f"at most {MAX_CHUNK_SPANS} chunk spans per request, got {len(spans)}",
+            param="chunk_spans",
+        )
+    checked: list[tuple[int, int]] = []
+    previous_end = 0
+    for span in spans:
+        if isinstance(span, str | bytes) or not isinstance(span, Sequence) or len(span) != 2:
+            raise InvalidInputError(
+                f"chunk span {span!r} is not a (start, end) pair", param="chunk_spans"
+            )
+        start, end = span
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, end)):
+            raise InvalidInputError(f"chunk span {span!r} must hold two ints", param="chunk_spans")
+        if not previous_end <= start < end <= num_tokens:
+            raise InvalidInputError(
+                f"chunk span ({start}, {end}) must satisfy {previous_end} <= start < end <= "
+                f"{num_tokens} (spans in order, not overlapping, inside the prompt)",
+                param="chunk_spans",
+            )
+        checked.append((start, end))
+        previous_end = end
+    return tuple(checked)

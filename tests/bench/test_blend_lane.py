@@ -1,0 +1,72 @@
+"""``ragkv bench --reuse blend``: the ragkv+blend lane replays the ragkv lane's prompts with
+chunk reuse, reports what it reused, and is compared with ragkv instead of checked for
+determinism (its answers are approximate)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragkv.bench.lanes import BLEND_LANE
+from ragkv.bench.runner import BenchConfig, run_bench
+from ragkv.bench.workload import synthetic_workload
+from ragkv.cli import main
+from ragkv.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model, small_config):
+    workload = synthetic_workload(small_config(requests=8, follow_up_rate=0.25, topics=2))
+    config = BenchConfig(
+        model=tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_tokens=2,
+        concurrency=2,
+        lanes=["ragkv", BLEND_LANE],
+    )
+    return run_bench(workload, config)
+
+
+def test_blend_lane_replays_ragkv_prompts_and_accounts_for_every_token(bench):
+    report, results = bench
+    exact, blend = results
+    assert [r.prompt_token_ids for r in blend.records] == [
+        r.prompt_token_ids for r in exact.records
+    ]
+    lanes = report["lanes"]
+    blended = lanes[BLEND_LANE]
+    assert blended["reused_nonprefix_tokens"] > 0
+    assert lanes["ragkv"]["reused_nonprefix_tokens"] == 0
+    # Every prompt token is cached (exact prefix), copied (chunk reuse) or computed.
+    assert blended["preemptions"] == 0
+    assert blended["prefill_tokens_computed"] == (
+        blended["prompt_tokens"] - blended["cached_tokens"] - blended["reused_nonprefix_tokens"]
+    )
+    ratios = report["ratios"]
+    assert ratios["prefill_blend_vs_ragkv"] == (
+        blended["prefill_tokens_computed"] / lanes["ragkv"]["prefill_tokens_computed"]
+    )
+    assert 0 <= ratios["greedy_agreement_blend_vs_ragkv"] <= 1
+    assert report["determinism"]["identical_prompt_pairs"] == 0  # blend is not compared
+
+
+def test_blend_lane_needs_the_ragkv_lane(tiny_model, small_config):
+    workload = synthetic_workload(small_config(requests=2))
+    config = BenchConfig(model=tiny_model, device="cpu", lanes=["apc", BLEND_LANE])
+    with pytest.raises(ConfigError):
+        run_bench(workload, config)
+
+
+def test_cli_reuse_blend_adds_the_lane(tiny_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "--model", tiny_model, "--requests", "3", "--topics", "1", "--max-tokens",
+         "1", "--chunk-size", "200", "--lanes", "ragkv", "--reuse", "blend", "--json",
+         str(out), "--no-progress"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert list(report["lanes"]) == ["ragkv", BLEND_LANE]
+    assert "prefill_blend_vs_ragkv" in report["ratios"]

@@ -1,0 +1,241 @@
+"""Opt-in position-independent chunk reuse: exact where it must be, approximate and labelled
+where it may be, and never a source of approximate K/V for anyone else.
+
+The strongest check uses a one-layer model: there, a token's K/V depends only on the token
+and its position (layer 0 sees no context), so K/V copied from another prompt and
+re-rotated to the new position must equal a fresh computation, and naive reuse (nothing
+recomputed) must give the exact logits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from support import save_tiny_checkpoint
+
+from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.cache_engine.chunk_reuse import BlendConfig
+from ragkv.errors import ConfigError, InvalidInputError
+
+ATOL = 1e-4
+BLOCK = 16
+SYSTEM, A, B = 20, 24, 24  # token counts: the first chunk starts after one full block
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+SYS, CHUNK_A, CHUNK_B = ids(1, SYSTEM), ids(2, A), ids(3, B)
+SPANS = [(SYSTEM, SYSTEM + A), (SYSTEM + A, SYSTEM + A + B)]
+FIRST = SYS + CHUNK_A + CHUNK_B + ids(4, 7)  # records A at 20 and B at 44
+SECOND = SYS + CHUNK_B + CHUNK_A + ids(5, 7)  # B moves to 20, A to 44
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def checkpoint(tmp_path_factory, layers: int):
+    path = save_tiny_checkpoint(
+        tmp_path_factory.mktemp(f"blend{layers}"), "llama", seed=5, num_hidden_layers=layers
+    )
+    from transformers import AutoModelForCausalLM
+
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    return checkpoint(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    return checkpoint(tmp_path_factory, 2)
+
+
+def engine(path, **kwargs) -> Engine:
+    kwargs.setdefault("kv_cache_tokens", 2048)
+    return Engine.from_pretrained(path, device="cpu", block_size=BLOCK, **kwargs)
+
+
+@torch.inference_mode()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def computed_positions(out, reused: set[int]) -> list[int]:
+    """Positions whose logits a blended request kept: computed prompt positions, then decode."""
+    n = len(out.prompt_token_ids)
+    prompt = [p for p in range(out.usage.cached_tokens, n) if p not in reused]
+    return prompt + list(range(n, n + len(out.token_ids) - 1))
+
+
+def assert_no_block_held(eng: Engine) -> None:
+    """Every pin and block reference was released once all requests finished."""
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_one_layer_naive_reuse_is_exact_so_placement_equals_fresh_computation(one_layer):
+    path, model = one_layer
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)  # exact; records both chunks
+        out = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"), return_logits=True
+        )
+        assert_no_block_held(eng)
+    assert out.usage.cached_tokens == BLOCK
+    assert out.usage.reused_nonprefix_tokens == A + B
+    assert out.approximate
+    reused = set(range(SYSTEM, SYSTEM + A + B))
+    expected = hf_logits(model, SECOND + out.token_ids[:-1])[computed_positions(out, reused)]
+    assert out.logits.shape == expected.shape
+    assert (out.logits - expected).abs().max().item() <= ATOL
+
+
+def test_recomputing_every_reused_token_equals_the_exact_path(two_layers):
+    path, model = two_layers
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        out = eng.generate(
+            SECOND,
+            GREEDY,
+            chunk_spans=SPANS,
+            reuse=BlendConfig("first-k", k=max(A, B)),
+            return_logits=True,
+        )
+        assert eng.chunk_index.num_hits == 2  # both chunks were found, then recomputed
+        assert_no_block_held(eng)
+    assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
+    expected = hf_logits(model, SECOND + out.token_ids[:-1])[BLOCK:]
+    assert (out.logits - expected).abs().max().item() <= ATOL
+
+
+def test_naive_reuse_reuses_computes_less_and_is_labelled_approximate(two_layers):
+    path, _ = two_layers
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        before = eng.stats().prefill_tokens_computed
+        out = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        computed = eng.stats().prefill_tokens_computed - before
+        first_k = eng.generate(
+            SECOND[:-1] + [7], GREEDY, chunk_spans=SPANS, reuse=BlendConfig("first-k", k=4)
+        )
+        stats = eng.stats()
+    assert out.approximate and out.usage.reused_nonprefix_tokens == A + B
+    assert computed == len(SECOND) - BLOCK - (A + B)
+    assert out.usage.to_openai()["reused_nonprefix_tokens"] == A + B
+    assert first_k.usage.reused_nonprefix_tokens == A + B - 8
+    assert stats.prefill_tokens_reused_nonprefix == 2 * (A + B) - 8
+
+
+def test_reuse_off_records_but_never_reuses(two_layers):
+    path, _ = two_layers
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        out = eng.generate(SECOND, GREEDY, chunk_spans=SPANS)
+    assert len(eng.chunk_index) == 2
+    assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
+
+
+def test_salted_requests_never_share_chunk_index_entries(two_layers):
+    path, _ = two_layers
+    naive = BlendConfig("none")
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS, cache_salt="alice")
+        other = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, cache_salt="bob", reuse=naive)
+        unsalted = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=naive)
+        same = eng.generate(
+            SECOND[:-1] + [9], GREEDY, chunk_spans=SPANS, cache_salt="alice", reuse=naive
+        )
+    assert other.usage.reused_nonprefix_tokens == 0
+    assert unsalted.usage.reused_nonprefix_tokens == 0
+    assert same.usage.reused_nonprefix_tokens == A + B
+
+
+def test_approximate_blocks_are_never_hit_nor_recorded(two_layers):
+    path, model = two_layers
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        starts = sorted(loc.start for loc in _locations(eng))
+        exact = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, return_logits=True)
+        assert_no_block_held(eng)
+    assert starts == [SYSTEM, SYSTEM + A]  # still where FIRST computed them
+    assert exact.usage.cached_tokens == BLOCK  # the exact prefix only
+    assert not exact.approximate
+    expected = hf_logits(model, SECOND + exact.token_ids[:-1])[BLOCK:]
+    assert (exact.logits - expected).abs().max().item() <= ATOL
+
+
+def test_what_precedes_the_first_copied_token_is_exact_and_cached(two_layers):
+    path, model = two_layers
+    new_chunk = ids(6, A)
+    third = SYS + new_chunk + CHUNK_A + ids(7, 7)  # the new chunk is computed, then A copied
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        blended = eng.generate(third, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        starts = sorted(loc.start for loc in _locations(eng))
+        later = SYS + new_chunk + ids(8, 30)
+        exact = eng.generate(later, GREEDY, return_logits=True)
+        assert_no_block_held(eng)
+    assert blended.usage.reused_nonprefix_tokens == A
+    assert starts == [SYSTEM, SYSTEM, SYSTEM + A]  # the new chunk, recorded at 20
+    assert exact.usage.cached_tokens == 2 * BLOCK  # blocks wholly before the copied A
+    expected = hf_logits(model, later + exact.token_ids[:-1])[2 * BLOCK :]
+    assert (exact.logits - expected).abs().max().item() <= ATOL
+
+
+def test_evicted_source_blocks_are_never_read(one_layer):
+    path, model = one_layer
+    with engine(path, kv_cache_tokens=8 * BLOCK) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(ids(9, 7 * BLOCK), GREEDY)  # reuses every block of the pool
+        out = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"), return_logits=True
+        )
+        assert eng.chunk_index.num_stale >= 1
+        assert_no_block_held(eng)
+    assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
+    expected = hf_logits(model, SECOND + out.token_ids[:-1])[out.logits_start :]
+    assert (out.logits - expected).abs().max().item() <= ATOL
+
+
+def test_sources_that_leave_no_room_when_pinned_fall_back_to_the_exact_path(one_layer):
+    path, _ = one_layer
+    with engine(path, kv_cache_tokens=6 * BLOCK) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)  # 5 blocks, all sources but one
+        out = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        assert eng.stats().blend_fallbacks == 1
+        assert_no_block_held(eng)
+    assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
+
+
+def test_reuse_inputs_are_validated_in_the_callers_thread(two_layers):
+    path, _ = two_layers
+    with engine(path) as eng:
+        bad = [
+            ({"reuse": BlendConfig()}, "chunk_spans"),  # reuse without spans
+            ({"chunk_spans": [(5, 3)]}, "chunk_spans"),
+            ({"chunk_spans": [(0, 10), (5, 20)]}, "chunk_spans"),  # overlapping
+            ({"chunk_spans": [(0, len(FIRST) + 1)]}, "chunk_spans"),
+            ({"chunk_spans": "0:10"}, "chunk_spans"),
+            ({"chunk_spans": [(0.0, 10)]}, "chunk_spans"),
+            ({"chunk_spans": SPANS, "reuse": "blend"}, "reuse"),
+        ]
+        for kwargs, param in bad:
+            with pytest.raises(InvalidInputError) as err:
+                eng.generate(FIRST, GREEDY, **kwargs)
+            assert err.value.param == param
+        with pytest.raises(InvalidInputError):
+            eng.generate([FIRST, SECOND], GREEDY, chunk_spans=[SPANS])  # one list per prompt
+    with pytest.raises(ConfigError) as err:
+        BlendConfig("deviation")
+    assert err.value.param == "strategy"
+    with pytest.raises(ConfigError):
+        BlendConfig("first-k", k=-1)
+
+
+def _locations(eng: Engine):
+    return [entry.location for entry in eng.chunk_index._entries.values()]
