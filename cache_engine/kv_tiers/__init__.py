@@ -7,7 +7,9 @@ its full hash input and a payload checksum (ARCHITECTURE.md, Invariant 7).
 """
 
 from ragkv.cache_engine.kv_tiers.block_store import BlockStore
+from ragkv.cache_engine.kv_tiers.disk_store import DiskStore
 from ragkv.cache_engine.kv_tiers.host_store import HostStore
+from ragkv.cache_engine.kv_tiers.namespace import StoreNamespace, weights_fingerprint
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
 from ragkv.cache_engine.kv_tiers.tiers import DEFAULT_WRITE_POLICY, WRITE_POLICIES, KVTiers
 
@@ -15,7 +17,10 @@ __all__ = [
     "DEFAULT_WRITE_POLICY",
     "WRITE_POLICIES",
     "BlockStore",
+    "DiskStore",
     "HostStore",
     "KVTiers",
+    "StoreNamespace",
     "TierStats",
+    "weights_fingerprint",
 ]

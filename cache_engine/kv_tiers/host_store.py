@@ -130,6 +130,11 @@ class HostStore:
         """The stored entry, unverified and without touching LRU order (for write-through)."""
         return self._entries.get(block_hash)
 
+    def snapshot(self) -> list[HostEntry]:
+        """Every stored entry, least recently used first (unverified; for a shutdown write)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def discard(self, block_hash: bytes) -> None:
         """Drop ``block_hash`` if stored."""
         with self._lock:

@@ -4,8 +4,9 @@ The engine hands over copies of newly cached blocks with :meth:`KVTiers.offer`, 
 appends to a bounded queue; a worker thread checksums and stores them. Where a block goes
 depends on the write policy:
 
-- ``write-back``: every offer goes to host; blocks the host LRU evicts go to disk. Without a
-  host tier, offers go straight to disk.
+- ``write-back``: every offer goes to host; blocks the host LRU evicts go to disk, and so
+  does what host memory still holds at :meth:`close`. Without a host tier, offers go
+  straight to disk.
 - ``write-through``: every offer goes to host, and also to disk once its hash was offered or
   hit in host ``admit_after`` times (counts kept for a bounded number of recent hashes), so
   one-off blocks never cost a disk write.
@@ -180,12 +181,20 @@ class KVTiers:
         return out
 
     def close(self) -> None:
-        """Store what is queued, stop the worker and close both stores; idempotent."""
+        """Store what is queued, stop the worker and close both stores; idempotent.
+
+        Under write-back, what host memory holds and disk does not is written to disk first
+        (least recently used first, so the most recent blocks survive a smaller disk tier):
+        a clean shutdown keeps every cached block for the next engine on the same store.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True  # later offers are dropped
         self.flush()
+        if self.write_policy == "write-back" and self.host is not None and self.disk is not None:
+            for entry in self.host.snapshot():
+                self._to_disk(entry.block_hash, entry.hash_input, entry.payload, entry.salted)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()

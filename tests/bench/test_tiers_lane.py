@@ -23,7 +23,7 @@ def test_tiers_lane_recovers_what_a_small_pool_evicts_and_restart_reads_the_stor
         dtype="float32",
         max_tokens=2,
         concurrency=2,
-        kv_cache_tokens=1024,  # well below the workload's distinct blocks
+        kv_cache_tokens=1536,  # one prompt fits; well below the workload's distinct blocks
         lanes=["ragkv", "ragkv+tiers"],
         kv_store_dir=str(tmp_path / "store"),
         restart=True,

@@ -1,0 +1,307 @@
+"""The disk KV tier: one verified file per block in a directory that survives restarts.
+
+Layout of a store directory::
+
+    <kv_store_dir>/
+      ns-<namespace digest>/        one per model setup (StoreNamespace)
+        namespace.json              the namespace in clear, for people; never trusted
+        blocks/<block hash hex>.kv  one entry (entry_file.py), renamed into place whole
+        blocks/<hex>.<pid>.<n>.tmp  a write in progress (removed at open if its writer died)
+
+There is no index file to lose or tear: the index is the directory listing, read at open
+(LRU order from file modification times, refreshed on every hit). One file per block was
+measured against segment files in the README ("KV tiers"): a block of the default model is
+~0.7 MB, so per-file overhead is small next to the read, and eviction is an ``unlink``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ragkv.cache_engine.kv_tiers.entry_file import (
+    DamagedEntry,
+    encode_head,
+    read_header,
+    read_payload,
+    write_entry,
+)
+from ragkv.cache_engine.kv_tiers.namespace import StoreNamespace
+from ragkv.cache_engine.kv_tiers.payload import check_payload
+from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
+from ragkv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ENTRY_SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+NAMESPACE_PREFIX = "ns-"
+
+
+class DiskStore:
+    """Disk tier: blocks as files under ``directory``, LRU, bounded by ``capacity_bytes``.
+
+    The bound covers the whole directory: entries of other namespaces (other models or
+    checkpoints) count against it, and at open the least recently opened of them are removed
+    until they take at most half of it, so a new setup always has room. A write error (a
+    full disk, a read-only directory) is counted and costs that block's disk copy, never a
+    request. Several engines may open the same directory: files appear and disappear whole,
+    and a file another engine removed is a plain miss.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self, directory: str | Path, capacity_bytes: int, namespace: StoreNamespace
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise ConfigError(
+                f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}",
+                param="capacity_bytes",
+            )
+        if capacity_bytes <= 0:
+            raise ConfigError(
+                f"capacity_bytes must be > 0, got {capacity_bytes}", param="capacity_bytes"
+            )
+        if not isinstance(namespace, StoreNamespace):
+            raise ConfigError("namespace must be a StoreNamespace", param="namespace")
+        root = Path(directory).expanduser()
+        self.root = root
+        self.directory = root / f"{NAMESPACE_PREFIX}{namespace.digest()}"
+        self.blocks = self.directory / "blocks"
+        try:
+            self.blocks.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"kv_store_dir {str(root)!r} cannot be used: {exc}", param="kv_store_dir"
+            ) from exc
+        self.namespace = namespace
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, LRU first
+        self._reserved = 0  # bytes of writes in progress
+        self._tmp_names = itertools.count()
+        self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._write_namespace_file()
+        self._budget = capacity_bytes - self._trim_other_namespaces()
+        self._scan()
+
+    # -- BlockStore --------------------------------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether the index lists ``block_hash`` (unverified; no I/O)."""
+        return block_hash in self._entries
+
+    def get(self, block_hash: bytes, hash_input: bytes) -> torch.Tensor | None:
+        """Read and verify the entry; ``None`` (counted) if absent, damaged or another block's."""
+        start = time.perf_counter()
+        with self._lock:
+            if block_hash not in self._entries:
+                self._stats.misses += 1
+                return None
+            self._entries.move_to_end(block_hash)
+        path = self._path(block_hash)
+        try:
+            with open(path, "rb") as file:
+                header = read_header(file)
+                if header.block_hash != block_hash or header.hash_input != hash_input:
+                    raise DamagedEntry("the file holds another block's entry")
+                payload = read_payload(file, header)
+        except FileNotFoundError:  # removed by another engine sharing the directory
+            self._forget(block_hash, corrupt=False)
+            return None
+        except (DamagedEntry, OSError, ValueError) as exc:
+            logger.warning("KV disk tier: dropping %s (%s)", path.name, exc)
+            self._forget(block_hash, corrupt=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # LRU order survives a restart
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.loaded_bytes += payload.nbytes
+            self._stats.load_seconds += time.perf_counter() - start
+        return payload
+
+    def put(self, block_hash: bytes, hash_input: bytes, payload: torch.Tensor) -> bool:
+        """Write ``payload`` as a new entry (atomically), evicting LRU entries to make room."""
+        check_payload(payload)
+        payload = payload.contiguous()
+        size = len(encode_head(block_hash, hash_input, payload, 0)) + payload.nbytes
+        with self._lock:
+            if block_hash in self._entries:
+                self._entries.move_to_end(block_hash)
+                return True
+            victims = self._make_room(size)
+            if victims is None:
+                self._stats.write_errors += 1
+                return False
+            self._reserved += size
+        for victim in victims:
+            self._unlink(self._path(victim))
+        path = self._path(block_hash)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{next(self._tmp_names)}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as file:
+                written = write_entry(file, block_hash, hash_input, payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot write %s (%s)", path.name, exc)
+            self._unlink(tmp)
+            with self._lock:
+                self._reserved -= size
+                self._stats.write_errors += 1
+            return False
+        assert written == size
+        with self._lock:
+            self._reserved -= size
+            self._entries[block_hash] = size
+            self._stats.bytes_used += size
+            self._stats.puts += 1
+            self._stats.stored_bytes += payload.nbytes
+        return True
+
+    def discard(self, block_hash: bytes) -> None:
+        """Remove the entry stored under ``block_hash``, if any (its file too)."""
+        self._forget(block_hash, corrupt=False, count=False)
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters and the contents now (this namespace's)."""
+        with self._lock:
+            return replace(self._stats, entries=len(self._entries))
+
+    def close(self) -> None:
+        """Nothing to release: every entry is a closed file already; idempotent."""
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.blocks / f"{block_hash.hex()}{ENTRY_SUFFIX}"
+
+    def _make_room(self, size: int) -> list[bytes] | None:
+        """Under the lock: drop LRU entries until ``size`` more bytes fit; their hashes."""
+        if size > self._budget:
+            return None
+        victims: list[bytes] = []
+        while self._stats.bytes_used + self._reserved + size > self._budget:
+            if not self._entries:
+                return None  # the rest is reserved by writes in progress
+            victim, victim_size = self._entries.popitem(last=False)
+            self._stats.bytes_used -= victim_size
+            self._stats.evictions += 1
+            victims.append(victim)
+        return victims
+
+    def _forget(self, block_hash: bytes, *, corrupt: bool, count: bool = True) -> None:
+        with self._lock:
+            size = self._entries.pop(block_hash, None)
+            if size is not None:
+                self._stats.bytes_used -= size
+            if count:
+                self._stats.misses += 1
+                self._stats.corrupt += corrupt
+        if size is not None:
+            self._unlink(self._path(block_hash))
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot remove %s (%s)", path, exc)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory listing, oldest first; trim to the budget."""
+        found: list[tuple[int, bytes, int]] = []
+        for entry in os.scandir(self.blocks):
+            name = entry.name
+            try:
+                if name.endswith(TMP_SUFFIX):
+                    if not _writer_alive(name):
+                        os.unlink(entry.path)  # a write cut short (kill -9): never renamed
+                    continue
+                if not name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                block_hash = bytes.fromhex(name[: -len(ENTRY_SUFFIX)])
+                info = entry.stat(follow_symlinks=False)
+            except (OSError, ValueError):
+                continue
+            found.append((info.st_mtime_ns, block_hash, info.st_size))
+        found.sort()
+        for _, block_hash, size in found:
+            self._entries[block_hash] = size
+            self._stats.bytes_used += size
+        victims = self._make_room(0) or []
+        for victim in victims:
+            self._unlink(self._path(victim))
+
+    def _write_namespace_file(self) -> None:
+        target = self.directory / "namespace.json"
+        tmp = target.with_name(f"namespace.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            tmp.write_text(self.namespace.to_json())
+            os.replace(tmp, target)  # also marks this namespace as the most recently opened
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot write %s (%s)", target, exc)
+
+    def _trim_other_namespaces(self) -> int:
+        """Remove other namespaces, least recently opened first, until they use at most half
+        of the capacity; the bytes they still use."""
+        others: list[tuple[float, int, Path]] = []
+        for path in self.root.iterdir():
+            if path == self.directory or not path.name.startswith(NAMESPACE_PREFIX):
+                continue
+            opened = _mtime(path / "namespace.json") or _mtime(path)
+            others.append((opened, _tree_bytes(path), path))
+        others.sort()
+        used = sum(size for _, size, _ in others)
+        for _, size, path in others:
+            if used <= self.capacity_bytes // 2:
+                break
+            shutil.rmtree(path, ignore_errors=True)
+            used -= size
+        return used
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that named this temporary file still runs."""
+    try:
+        pid = int(tmp_name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True  # another store of this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            if file.is_file():
+                total += file.stat().st_size
+        except OSError:
+            continue
+    return total

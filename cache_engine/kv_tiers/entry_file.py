@@ -1,0 +1,131 @@
+"""The disk tier's file format: one self-describing, self-checking file per block.
+
+::
+
+    header (48 bytes, little-endian)
+      magic        8s   b"RAGKVBLK"
+      version      u16  FORMAT_VERSION
+      dtype        u8   payload.DTYPE_CODES
+      ndim         u8   <= MAX_NDIM
+      key_len      u32  length of the block hash
+      input_len    u32  length of the hash input
+      payload_len  u64
+      payload_sum  u64  xxh3_64 of the payload bytes
+      head_sum     u64  xxh3_64 of everything before the payload except this field
+    shape          ndim x u32
+    block hash     key_len bytes
+    hash input     input_len bytes
+    payload        payload_len bytes
+
+Every byte is covered by one of the two checksums, so a flipped bit anywhere, a truncated
+file or a file renamed to another block's name is detected on load. A file is written to a
+temporary name and renamed into place, so a reader (or a restart after ``kill -9``) sees a
+whole file or none.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+import xxhash
+
+from ragkv.cache_engine.kv_tiers.payload import DTYPE_CODES, DTYPES_BY_CODE, payload_bytes
+
+MAGIC = b"RAGKVBLK"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+MAX_INPUT_LEN = 1 << 24  # a hash input is a few hundred bytes; anything huge is damage
+_HEAD = struct.Struct("<8sHBBIIQQQ")
+
+
+class DamagedEntry(Exception):
+    """A block file that is not a whole, intact entry for the block asked for."""
+
+
+@dataclass(slots=True, frozen=True)
+class EntryHeader:
+    """The parsed, checked front of a block file (everything but the payload)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    block_hash: bytes
+    hash_input: bytes
+    payload_len: int
+    payload_sum: int
+
+
+def encode_head(block_hash: bytes, hash_input: bytes, payload: torch.Tensor, payload_sum: int):
+    """The bytes that precede ``payload`` in its file."""
+    shape = tuple(payload.shape)
+    rest = struct.pack(f"<{len(shape)}I", *shape) + block_hash + hash_input
+    fields = (
+        MAGIC,
+        FORMAT_VERSION,
+        DTYPE_CODES[payload.dtype],
+        len(shape),
+        len(block_hash),
+        len(hash_input),
+        payload.nbytes,
+        payload_sum,
+    )
+    head_sum = _head_checksum(_HEAD.pack(*fields, 0), rest)
+    return _HEAD.pack(*fields, head_sum) + rest
+
+
+def write_entry(file: BinaryIO, block_hash: bytes, hash_input: bytes, payload: torch.Tensor):
+    """Write one whole entry for a contiguous CPU ``payload``; returns its size in bytes."""
+    data = payload_bytes(payload)
+    head = encode_head(block_hash, hash_input, payload, xxhash.xxh3_64_intdigest(data))
+    file.write(head)
+    file.write(memoryview(data))
+    return len(head) + payload.nbytes
+
+
+def read_header(file: BinaryIO) -> EntryHeader:
+    """Parse and check the header, shape, block hash and hash input; ``DamagedEntry`` if bad."""
+    fixed = file.read(_HEAD.size)
+    if len(fixed) != _HEAD.size:
+        raise DamagedEntry("truncated header")
+    magic, version, code, ndim, key_len, input_len, payload_len, payload_sum, head_sum = (
+        _HEAD.unpack(fixed)
+    )
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise DamagedEntry("not a ragkv block file of this version")
+    if code not in DTYPES_BY_CODE or ndim > MAX_NDIM or key_len > 64 or input_len > MAX_INPUT_LEN:
+        raise DamagedEntry("header fields out of range")
+    rest = file.read(4 * ndim + key_len + input_len)
+    if len(rest) != 4 * ndim + key_len + input_len:
+        raise DamagedEntry("truncated header")
+    if _head_checksum(fixed[:-8] + b"\0" * 8, rest) != head_sum:
+        raise DamagedEntry("header checksum mismatch")
+    shape = struct.unpack_from(f"<{ndim}I", rest)
+    dtype = DTYPES_BY_CODE[code]
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if numel * dtype.itemsize != payload_len:
+        raise DamagedEntry("payload length does not match its shape")
+    key_end = 4 * ndim + key_len
+    return EntryHeader(
+        dtype, shape, rest[4 * ndim : key_end], rest[key_end:], payload_len, payload_sum
+    )
+
+
+def read_payload(file: BinaryIO, header: EntryHeader) -> torch.Tensor:
+    """Read the payload after :func:`read_header` into a fresh tensor, checksum verified."""
+    payload = torch.empty(header.shape, dtype=header.dtype)
+    data = payload_bytes(payload)
+    if file.readinto(memoryview(data)) != header.payload_len or file.read(1):
+        raise DamagedEntry("payload length differs from the header's")
+    if xxhash.xxh3_64_intdigest(data) != header.payload_sum:
+        raise DamagedEntry("payload checksum mismatch")
+    return payload
+
+
+def _head_checksum(fixed_with_zero_sum: bytes, rest: bytes) -> int:
+    hasher = xxhash.xxh3_64(fixed_with_zero_sum)
+    hasher.update(rest)
+    return hasher.intdigest()
