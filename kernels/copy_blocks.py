@@ -4,9 +4,10 @@ Plain torch indexing is a single gather-scatter and as fast as a kernel on CPU, 
 option across devices; the Triton kernel serves same-device CUDA copies without the
 intermediate gathered tensor.
 
-Nothing in the engine calls it yet: it is kept, tested, for the two planned features that
-move whole blocks, KV tiers (evicted blocks spill to host memory and load back) and chunk
-reuse (a chunk's KV copied from where it was computed).
+The engine does not call it: KV tiers move blocks through a staging tensor laid out as
+the stored payload (``cache_engine/offload.py``), and chunk reuse re-rotates keys while it
+copies (``cache_engine/chunk_reuse/placement.py``). It stays a tested public kernel for
+cache-to-cache block moves (copy-on-write, swapping between two caches).
 """
 
 from __future__ import annotations

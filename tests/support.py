@@ -130,3 +130,23 @@ class CacheReq:
         from ragkv.cache_engine.block_hash import digest_salt
 
         return None if self.cache_salt is None else digest_salt(self.cache_salt)
+
+
+TIER_BLOCK_SHAPE = (2, 2, 4, 2, 8)  # a stored block: [layers, K/V, block_size, kv_heads, head_dim]
+
+
+def tier_block(i: int, dtype=torch.float32) -> tuple[bytes, bytes, torch.Tensor]:
+    """A block hash, its hash input and a payload for the KV tier stores, distinct per ``i``."""
+    gen = torch.Generator().manual_seed(i)
+    payload = torch.randn(TIER_BLOCK_SHAPE, generator=gen).to(dtype)
+    hash_input = i.to_bytes(16, "little") + bytes(range(64)) + b"model:tiny"
+    return i.to_bytes(16, "big"), hash_input, payload
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )

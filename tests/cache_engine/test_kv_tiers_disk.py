@@ -13,28 +13,15 @@ import time
 
 import pytest
 import torch
+from support import TIER_BLOCK_SHAPE, same_bits
+from support import tier_block as block
 
 from ragkv.cache_engine.kv_tiers import DiskStore, KVTiers, StoreNamespace, weights_fingerprint
 from ragkv.cache_engine.kv_tiers import disk_store as disk_store_module
 from ragkv.errors import ConfigError
 
-SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
+SHAPE = TIER_BLOCK_SHAPE
 NS = StoreNamespace("model:tiny", "f" * 32, "float32", 4, "xxh3_128", "LKVBHD:2x2x4x2x8")
-
-
-def block(i: int, dtype=torch.float32) -> tuple[bytes, bytes, torch.Tensor]:
-    gen = torch.Generator().manual_seed(i)
-    payload = torch.randn(SHAPE, generator=gen).to(dtype)
-    hash_input = i.to_bytes(16, "little") + bytes(range(64)) + b"model:tiny"
-    return i.to_bytes(16, "big"), hash_input, payload
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
 
 
 def file_size(store: DiskStore, i: int = 0) -> int:

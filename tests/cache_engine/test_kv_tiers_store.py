@@ -6,28 +6,14 @@ import threading
 
 import pytest
 import torch
+from support import TIER_BLOCK_SHAPE, same_bits
+from support import tier_block as block
 
 from ragkv.cache_engine.kv_tiers import HostStore, KVTiers, TierStats
 from ragkv.errors import ConfigError, InvalidInputError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
-
-
-def block(i: int, dtype=torch.float32) -> tuple[bytes, bytes, torch.Tensor]:
-    """A block hash, its hash input and a payload, all distinct per ``i``."""
-    gen = torch.Generator().manual_seed(i)
-    payload = torch.randn(SHAPE, generator=gen).to(dtype)
-    hash_input = i.to_bytes(16, "little") + bytes(range(64)) + b"model:tiny"
-    return i.to_bytes(16, "big"), hash_input, payload
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
+SHAPE = TIER_BLOCK_SHAPE
 
 
 def entry_bytes(i: int) -> int:
