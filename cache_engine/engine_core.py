@@ -115,6 +115,7 @@ class EngineCore:
         snapshot.tier_loaded_bytes = counters.loaded_bytes
         snapshot.tier_load_s = counters.load_s
         snapshot.tier_load_misses = counters.load_misses
+        snapshot.tier_stale_loads = counters.stale_loads
         snapshot.tier_offered_blocks = counters.offered_blocks
         snapshot.tier_offered_bytes = counters.offered_bytes
         snapshot.tier_save_s = counters.save_s

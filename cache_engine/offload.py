@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POOL = "pool"  # the tier name of a prefix block found in the KV pool itself
+# Lookups of one request between two admissions: a staged run can go stale (the pool evicts
+# blocks before it while the request waits); bounded so a request cannot loop forever.
+MAX_LOOKUPS = 4
 
 
 def open_tiers(config: EngineConfig, runner: ModelRunner) -> Any:
@@ -159,6 +162,7 @@ class TierCounters:
     loaded_bytes: dict[str, int] = field(default_factory=dict)
     load_s: dict[str, float] = field(default_factory=dict)  # loader-thread seconds, by tier
     load_misses: int = 0  # lookups that promised a block the verified load did not give
+    stale_loads: int = 0  # staged runs dropped: the pool lost blocks before them meanwhile
     offered_blocks: int = 0
     offered_bytes: int = 0
     save_s: float = 0.0  # stepping-thread seconds copying new blocks out of the pool
@@ -172,6 +176,7 @@ class TierCounters:
             dict(self.loaded_bytes),
             dict(self.load_s),
             self.load_misses,
+            self.stale_loads,
             self.offered_blocks,
             self.offered_bytes,
             self.save_s,
@@ -214,7 +219,8 @@ class KVOffload:
         self.wake = wake
         self.counters = TierCounters()
         self._lock = threading.Lock()  # guards the dicts below and the counters
-        self._probed: set[str] = set()  # looked up since their last admission
+        self._probed: set[str] = set()  # not to be looked up again before admission
+        self._lookups: dict[str, int] = {}  # request id -> lookups since its last admission
         self._loading: dict[str, int] = {}  # request id -> blocks reserved for its job
         self._ready: dict[str, StagedBlocks] = {}
         self._staged_blocks = 0
@@ -288,6 +294,7 @@ class KVOffload:
         if request_id in self._probed or first_block >= len(hashes):
             return False
         self._probed.add(request_id)
+        self._lookups[request_id] = self._lookups.get(request_id, 0) + 1
         try:
             present = self.tiers.lookup(list(hashes[first_block:]))
         except Exception:
@@ -315,18 +322,28 @@ class KVOffload:
     def take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
         """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
 
-        Blocks the pool now holds itself are skipped; a gap (the pool lost blocks before the
-        staged run) makes the staged run useless, and it is dropped. Nothing is consumed
+        Blocks the pool now holds itself are skipped. A gap (while the request waited, the
+        pool evicted blocks of its prefix before the staged run) makes the staged run
+        useless: it is dropped and, up to ``MAX_LOOKUPS`` per admission, the request may be
+        looked up again (the lost blocks went to the tiers when they were written), so the
+        caller parks it once more instead of computing the whole rest. Nothing is consumed
         until :meth:`install`.
         """
         with self._lock:
             staged = self._ready.get(request.request_id)
         if staged is None:
             return None
+        request_id = request.request_id
         skip = num_pool_blocks - staged.first_block
         if skip < 0 or skip >= len(staged):
+            lookups = self._lookups.get(request_id, 0)
             self.drop(request)
-            self._probed.add(request.request_id)  # no second lookup before admission
+            if skip < 0:
+                with self._lock:
+                    self.counters.stale_loads += 1
+            if skip >= 0 or lookups >= MAX_LOOKUPS:
+                self._probed.add(request_id)  # no further lookup before admission
+            self._lookups[request_id] = lookups
             return None
         return StagedBlocks(
             num_pool_blocks,
@@ -358,6 +375,7 @@ class KVOffload:
             tokens = num_pool_blocks * self.block_size
             self.counters.hit_tokens[POOL] = self.counters.hit_tokens.get(POOL, 0) + tokens
         self._probed.discard(request.request_id)
+        self._lookups.pop(request.request_id, None)
 
     def drop(self, request: Request) -> None:
         """Forget the request's staged payloads (and cancel its loads, if any are running)."""
@@ -370,6 +388,7 @@ class KVOffload:
             if reserved is not None:
                 self._staged_blocks -= reserved
         self._probed.discard(request_id)
+        self._lookups.pop(request_id, None)
 
     # -- the loader thread ---------------------------------------------------------------
     def _ensure_loader(self) -> None:

@@ -125,6 +125,7 @@ class EngineStats:
     tier_loaded_bytes: dict[str, int] = field(default_factory=dict)
     tier_load_s: dict[str, float] = field(default_factory=dict)
     tier_load_misses: int = 0
+    tier_stale_loads: int = 0  # staged loads dropped: the pool lost blocks before them
     tier_offered_blocks: int = 0
     tier_offered_bytes: int = 0
     tier_save_s: float = 0.0

@@ -205,6 +205,9 @@ class Scheduler:
                         if self._park_for_tier_loads(request, len(blocks)):
                             continue
                         staged = self.tiers.take(request, len(blocks))
+                        # a stale staged run (the pool lost blocks before it): look again
+                        if staged is None and self._park_for_tier_loads(request, len(blocks)):
+                            continue
                 num_loaded = len(staged) * self.kv.block_size if staged else 0
                 plan = self._plan_blend(request, num_computed + num_loaded)
                 allocated = None

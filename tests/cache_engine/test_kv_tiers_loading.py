@@ -190,3 +190,34 @@ def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference
         assert not eng.scheduler.loading and not eng.core.offload._ready
         assert eng.core.offload._staged_blocks == 0
         assert_same(eng.generate(prompt(1, 100), GREEDY, return_logits=True), reference[1])
+
+
+def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tiers, reference):
+    # Pool of 10 blocks: after prompt 1, prompt 0 keeps its first blocks in the pool and the
+    # rest only in the tier. While prompt 0 waits for those loads, prompt 2 evicts its pool
+    # head: the staged run no longer continues the pool prefix. The request must look the
+    # tier up again (its head went there when it was written), not compute everything.
+    with tiered(llama_dir, kv_cache_tokens=10 * BLOCK) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        tiers.gate.clear()
+        done = threading.Event()
+        result = {}
+
+        def parked():
+            result["out"] = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            done.set()
+
+        thread = threading.Thread(target=parked)
+        thread.start()
+        while not eng.scheduler.loading:
+            threading.Event().wait(0.01)
+        other = eng.generate(prompt(2, 100), GREEDY, return_logits=True)
+        assert not done.is_set()
+        tiers.gate.set()
+        thread.join(timeout=30)
+        stats = eng.stats()
+    assert stats.tier_stale_loads == 1
+    assert result["out"].usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
+    assert_same(result["out"], reference[0])
+    assert_same(other, reference[2])
