@@ -50,7 +50,10 @@ def host_round_trip(args: argparse.Namespace, rng: random.Random) -> dict:
         before = engine.stats()
         warm = engine.generate(base, ONE)
         stats = engine.stats()
-    assert warm.usage.cached_tokens_by_tier.get("host") == PROMPT - BLOCK, warm.usage
+    # The pool may keep the prompt's first blocks (the other prompt's last block fits beside
+    # them); everything after comes from host memory.
+    assert warm.usage.cached_tokens == PROMPT - BLOCK, warm.usage
+    assert warm.usage.cached_tokens_by_tier.get("host", 0) >= PROMPT // 2, warm.usage
     blocks = stats.tier_loaded_blocks["host"] - before.tier_loaded_blocks.get("host", 0)
     save_per_block = stats.tier_save_s / stats.tier_offered_blocks
     load_per_block = (stats.tier_load_s["host"] - before.tier_load_s.get("host", 0.0)) / blocks
