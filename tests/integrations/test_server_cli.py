@@ -68,5 +68,13 @@ def test_kv_tier_flags_default_to_the_engine_config_and_parse():
         DEFAULTS.kv_store_dir,
         DEFAULTS.kv_store_bytes,
     )
+    assert (args.kv_tier_write_policy, args.kv_store_salted) == (
+        DEFAULTS.kv_tier_write_policy,
+        DEFAULTS.kv_store_salted,
+    )
     args = parse("--host-cache-bytes", "1024", "--kv-store-dir", "/tmp/s", "--kv-store-bytes", "99")
     assert (args.host_cache_bytes, args.kv_store_dir, args.kv_store_bytes) == (1024, "/tmp/s", 99)
+    args = parse("--kv-tier-write-policy", "write-through", "--no-kv-store-salted")
+    assert (args.kv_tier_write_policy, args.kv_store_salted) == ("write-through", False)
+    with pytest.raises(SystemExit):
+        parse("--kv-tier-write-policy", "write-around")

@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from ragkv.cache_engine.config import DEFAULTS, DTYPES
+from ragkv.cache_engine.config import DEFAULTS, DTYPES, KV_TIER_WRITE_POLICIES
 from ragkv.cache_engine.sampling_params import MAX_STOP_STRINGS
 from ragkv.errors import ConfigError, MissingDependencyError
 
@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes,
+        kv_tier_write_policy=args.kv_tier_write_policy,
+        kv_store_salted=args.kv_store_salted,
     )
     engine = Engine(config)
     with engine:
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_tier_flags(parser: argparse.ArgumentParser) -> None:
-    """``--host-cache-bytes``, ``--kv-store-dir``, ``--kv-store-bytes`` (serve and bench)."""
+    """The KV tier flags of ``ragkv serve`` (``ragkv bench`` has its own, per lane)."""
     parser.add_argument(
         "--host-cache-bytes",
         type=int,
@@ -192,6 +194,19 @@ def add_tier_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULTS.kv_store_bytes,
         help=f"bytes the disk tier may hold (default {DEFAULTS.kv_store_bytes >> 30} GiB)",
+    )
+    parser.add_argument(
+        "--kv-tier-write-policy",
+        choices=KV_TIER_WRITE_POLICIES,
+        default=DEFAULTS.kv_tier_write_policy,
+        help="write-back (default: blocks host memory evicts, and what it holds at shutdown, "
+        "go to disk) or write-through (blocks seen twice go to disk at once)",
+    )
+    parser.add_argument(
+        "--no-kv-store-salted",
+        dest="kv_store_salted",
+        action="store_false",
+        help="keep salted (per-tenant) requests' blocks in host memory only, never on disk",
     )
 
 
