@@ -117,27 +117,38 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tier_exactly(
     assert tiers.closed
 
 
+def while_parked(eng, tiers, parked: int, other: int):
+    """Prompt ``parked`` waits at the tier's gate while prompt ``other`` runs start to end.
+
+    Returns both outputs; asserts the parked one had not finished when the other had.
+    """
+    tiers.gate.clear()  # loads block until the other request has finished
+    done = threading.Event()
+    result = {}
+
+    def run_parked():
+        result["out"] = eng.generate(prompt(parked, 100), GREEDY, return_logits=True)
+        done.set()
+
+    thread = threading.Thread(target=run_parked)
+    thread.start()
+    while not eng.scheduler.loading:  # parked, its loads waiting at the gate
+        threading.Event().wait(0.01)
+    out = eng.generate(prompt(other, 100), GREEDY, return_logits=True)
+    assert not done.is_set()  # still parked while the other one ran start to end
+    tiers.gate.set()
+    thread.join(timeout=30)
+    return result["out"], out
+
+
 def test_a_request_waiting_for_its_loads_does_not_hold_up_another(llama_dir, tiers, reference):
     with tiered(llama_dir, kv_cache_tokens=14 * BLOCK) as eng:
         for i in (0, 1, 2):  # prompt 0 ends up in the tier only
             eng.generate(prompt(i, 100), GREEDY)
-        tiers.gate.clear()  # loads block until the other request has finished
-        done = threading.Event()
-        result = {}
-
-        def parked():
-            result["out"] = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
-            done.set()
-
-        thread = threading.Thread(target=parked)
-        thread.start()
-        other = eng.generate(prompt(3, 100), GREEDY, return_logits=True)
-        assert not done.is_set()  # still parked while the other one ran start to end
-        tiers.gate.set()
-        thread.join(timeout=30)
+        parked, other = while_parked(eng, tiers, 0, 3)
     assert_same(other, reference[3])
-    assert_same(result["out"], reference[0])
-    assert result["out"].usage.cached_tokens_by_tier["host"] == 96
+    assert_same(parked, reference[0])
+    assert parked.usage.cached_tokens_by_tier["host"] == 96
 
 
 def test_a_load_that_fails_midway_ends_the_reused_prefix_there(llama_dir, tiers, reference):
@@ -200,24 +211,9 @@ def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tier
     with tiered(llama_dir, kv_cache_tokens=10 * BLOCK) as eng:
         for i in (0, 1):
             eng.generate(prompt(i, 100), GREEDY)
-        tiers.gate.clear()
-        done = threading.Event()
-        result = {}
-
-        def parked():
-            result["out"] = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
-            done.set()
-
-        thread = threading.Thread(target=parked)
-        thread.start()
-        while not eng.scheduler.loading:
-            threading.Event().wait(0.01)
-        other = eng.generate(prompt(2, 100), GREEDY, return_logits=True)
-        assert not done.is_set()
-        tiers.gate.set()
-        thread.join(timeout=30)
+        parked, other = while_parked(eng, tiers, 0, 2)
         stats = eng.stats()
     assert stats.tier_stale_loads == 1
-    assert result["out"].usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
-    assert_same(result["out"], reference[0])
+    assert parked.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
+    assert_same(parked, reference[0])
     assert_same(other, reference[2])
