@@ -20,6 +20,7 @@ class BlockStore(Protocol):
     """
 
     name: str  # "host" | "disk"
+    capacity_bytes: int  # the bound on what it holds
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether an entry is stored under ``block_hash`` (cheap, unverified)."""

@@ -5,8 +5,10 @@ Layout of a store directory::
     <kv_store_dir>/
       ns-<namespace digest>/        one per model setup (StoreNamespace)
         namespace.json              the namespace in clear, for people; never trusted
+        lock                        held (shared, flock) by every store open on it
         blocks/<block hash hex>.kv  one entry (entry_file.py), renamed into place whole
-        blocks/<hex>.<pid>.<n>.tmp  a write in progress (removed at open if its writer died)
+        blocks/<hex>.<pid>.<n>.tmp  a write in progress (removed at open if its writer died
+                                    or it is older than TMP_STALE_S)
 
 There is no index file to lose or tear: the index is the directory listing, read at open
 (LRU order from file modification times, refreshed on every hit). One file per block was
@@ -17,6 +19,7 @@ measured against segment files in the README ("KV tiers"): a block of the defaul
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -34,29 +37,42 @@ from ragkv.cache_engine.kv_tiers.entry_file import (
     encode_head,
     read_header,
     read_payload,
+    storable,
     write_entry,
 )
 from ragkv.cache_engine.kv_tiers.namespace import StoreNamespace
 from ragkv.cache_engine.kv_tiers.payload import check_payload
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
-from ragkv.errors import ConfigError
+from ragkv.errors import ConfigError, InvalidInputError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: namespaces in use are not protected from trimming
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
 ENTRY_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 NAMESPACE_PREFIX = "ns-"
+LOCK_NAME = "lock"
+# A temporary file this old is never a write in progress (a block takes milliseconds): its
+# writer died, possibly under a PID now reused (containers restart as PID 1).
+TMP_STALE_S = 600.0
 
 
 class DiskStore:
     """Disk tier: blocks as files under ``directory``, LRU, bounded by ``capacity_bytes``.
 
-    The bound covers the whole directory: entries of other namespaces (other models or
-    checkpoints) count against it, and at open the least recently opened of them are removed
-    until they take at most half of it, so a new setup always has room. A write error (a
-    full disk, a read-only directory) is counted and costs that block's disk copy, never a
-    request. Several engines may open the same directory: files appear and disappear whole,
-    and a file another engine removed is a plain miss.
+    The bound covers this store's entries plus what other namespaces (other models or
+    checkpoints) held when it opened; at open the least recently opened of those that no
+    open store holds (each store keeps a shared ``flock`` on its namespace) are removed until
+    they take at most half of it, so a new setup always has room. A write error (a full
+    disk, a read-only directory) is counted and costs that block's disk copy, never a
+    request; a read error other than damage is a miss that keeps the file. Several engines
+    may open the same directory: files appear and disappear whole, and a file another engine
+    removed is a plain miss; each bounds only its own writes, so engines sharing one
+    namespace together may use up to their bounds' sum.
     """
 
     name = "disk"
@@ -92,6 +108,7 @@ class DiskStore:
         self._reserved = 0  # bytes of writes in progress
         self._tmp_names = itertools.count()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._lock_fd = _hold_namespace(self.directory)
         self._write_namespace_file()
         self._budget = capacity_bytes - self._trim_other_namespaces()
         self._scan()
@@ -120,9 +137,14 @@ class DiskStore:
         except FileNotFoundError:  # removed by another engine sharing the directory
             self._forget(block_hash, corrupt=False)
             return None
-        except (DamagedEntry, OSError, ValueError) as exc:
+        except (DamagedEntry, ValueError) as exc:
             logger.warning("KV disk tier: dropping %s (%s)", path.name, exc)
             self._forget(block_hash, corrupt=True)
+            return None
+        except OSError as exc:  # EMFILE, EACCES, EIO...: this read failed, not the entry
+            logger.warning("KV disk tier: cannot read %s (%s)", path.name, exc)
+            with self._lock:
+                self._stats.misses += 1
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # LRU order survives a restart
@@ -135,7 +157,10 @@ class DiskStore:
     def put(self, block_hash: bytes, hash_input: bytes, payload: torch.Tensor) -> bool:
         """Write ``payload`` as a new entry (atomically), evicting LRU entries to make room."""
         check_payload(payload)
-        payload = payload.contiguous()
+        reason = storable(block_hash, hash_input, payload)
+        if reason is not None:
+            raise InvalidInputError(f"cannot store this entry on disk: {reason}", param="payload")
+        payload = payload.detach().to("cpu").contiguous()
         size = len(encode_head(block_hash, hash_input, payload, 0)) + payload.nbytes
         with self._lock:
             if block_hash in self._entries:
@@ -151,16 +176,16 @@ class DiskStore:
         path = self._path(block_hash)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{next(self._tmp_names)}{TMP_SUFFIX}")
         try:
-            with open(tmp, "wb") as file:
-                written = write_entry(file, block_hash, hash_input, payload)
-            os.replace(tmp, path)
-        except OSError as exc:
-            logger.warning("KV disk tier: cannot write %s (%s)", path.name, exc)
+            written = self._write(tmp, path, block_hash, hash_input, payload)
+        except BaseException as exc:  # the reservation is released whatever went wrong
             self._unlink(tmp)
             with self._lock:
                 self._reserved -= size
-                self._stats.write_errors += 1
-            return False
+                self._stats.write_errors += isinstance(exc, OSError)
+            if isinstance(exc, OSError):
+                logger.warning("KV disk tier: cannot write %s (%s)", path.name, exc)
+                return False
+            raise
         assert written == size
         with self._lock:
             self._reserved -= size
@@ -180,21 +205,44 @@ class DiskStore:
             return replace(self._stats, entries=len(self._entries))
 
     def close(self) -> None:
-        """Nothing to release: every entry is a closed file already; idempotent."""
+        """Release the namespace (entries are closed files already); idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # drops the flock
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _write(
+        self,
+        tmp: Path,
+        path: Path,
+        block_hash: bytes,
+        hash_input: bytes,
+        payload: torch.Tensor,
+    ) -> int:
+        """Write ``tmp`` and rename it to ``path``; recreates a directory removed under us."""
+        for attempt in (1, 2):
+            try:
+                with open(tmp, "wb") as file:
+                    written = write_entry(file, block_hash, hash_input, payload)
+                os.replace(tmp, path)
+                return written
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+                self.blocks.mkdir(parents=True, exist_ok=True)  # someone removed the tree
+                self._write_namespace_file()
+        raise AssertionError("unreachable")
 
     def _path(self, block_hash: bytes) -> Path:
         return self.blocks / f"{block_hash.hex()}{ENTRY_SUFFIX}"
 
     def _make_room(self, size: int) -> list[bytes] | None:
         """Under the lock: drop LRU entries until ``size`` more bytes fit; their hashes."""
-        if size > self._budget:
-            return None
+        if self._reserved + size > self._budget:
+            return None  # even an empty index would not make room: evict nothing
         victims: list[bytes] = []
-        while self._stats.bytes_used + self._reserved + size > self._budget:
-            if not self._entries:
-                return None  # the rest is reserved by writes in progress
+        while self._stats.bytes_used + self._reserved + size > self._budget and self._entries:
             victim, victim_size = self._entries.popitem(last=False)
             self._stats.bytes_used -= victim_size
             self._stats.evictions += 1
@@ -226,7 +274,8 @@ class DiskStore:
             name = entry.name
             try:
                 if name.endswith(TMP_SUFFIX):
-                    if not _writer_alive(name):
+                    age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+                    if age > TMP_STALE_S or not _writer_alive(name):
                         os.unlink(entry.path)  # a write cut short (kill -9): never renamed
                     continue
                 if not name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
@@ -267,9 +316,50 @@ class DiskStore:
         for _, size, path in others:
             if used <= self.capacity_bytes // 2:
                 break
-            shutil.rmtree(path, ignore_errors=True)
+            fd = _claim_namespace(path)
+            if fd is None:
+                continue  # an open store holds it: never pull a live engine's tier away
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
             used -= size
         return used
+
+
+def _hold_namespace(directory: Path) -> int | None:
+    """Open the namespace's lock file and hold a shared lock on it (None where unsupported)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        logger.warning("KV disk tier: cannot open %s (%s)", directory / LOCK_NAME, exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claim_namespace(directory: Path) -> int | None:
+    """An exclusive lock on a namespace no open store holds (its fd), else None."""
+    if fcntl is None:
+        return os.open(os.devnull, os.O_RDONLY)
+    try:
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            logger.warning("KV disk tier: cannot lock %s (%s)", directory, exc)
+        return None
+    return fd
 
 
 def _writer_alive(tmp_name: str) -> bool:

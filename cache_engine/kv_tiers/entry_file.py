@@ -25,6 +25,7 @@ whole file or none.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -38,6 +39,7 @@ MAGIC = b"RAGKVBLK"
 FORMAT_VERSION = 1
 MAX_NDIM = 8
 MAX_INPUT_LEN = 1 << 24  # a hash input is a few hundred bytes; anything huge is damage
+MAX_KEY_LEN = 64
 _HEAD = struct.Struct("<8sHBBIIQQQ")
 
 
@@ -55,6 +57,17 @@ class EntryHeader:
     hash_input: bytes
     payload_len: int
     payload_sum: int
+
+
+def storable(block_hash: bytes, hash_input: bytes, payload: torch.Tensor) -> str | None:
+    """Why this entry cannot be written in this format (a reader would reject it), or None."""
+    if len(block_hash) > MAX_KEY_LEN:
+        return f"block hash of {len(block_hash)} bytes (at most {MAX_KEY_LEN})"
+    if len(hash_input) > MAX_INPUT_LEN:
+        return f"hash input of {len(hash_input)} bytes (at most {MAX_INPUT_LEN})"
+    if payload.dim() > MAX_NDIM or any(n >= 1 << 32 for n in payload.shape):
+        return f"payload shape {tuple(payload.shape)} (at most {MAX_NDIM} dims < 2**32)"
+    return None
 
 
 def encode_head(block_hash: bytes, hash_input: bytes, payload: torch.Tensor, payload_sum: int):
@@ -94,7 +107,12 @@ def read_header(file: BinaryIO) -> EntryHeader:
     )
     if magic != MAGIC or version != FORMAT_VERSION:
         raise DamagedEntry("not a ragkv block file of this version")
-    if code not in DTYPES_BY_CODE or ndim > MAX_NDIM or key_len > 64 or input_len > MAX_INPUT_LEN:
+    if (
+        code not in DTYPES_BY_CODE
+        or ndim > MAX_NDIM
+        or key_len > MAX_KEY_LEN
+        or input_len > MAX_INPUT_LEN
+    ):
         raise DamagedEntry("header fields out of range")
     rest = file.read(4 * ndim + key_len + input_len)
     if len(rest) != 4 * ndim + key_len + input_len:
@@ -116,6 +134,9 @@ def read_header(file: BinaryIO) -> EntryHeader:
 
 def read_payload(file: BinaryIO, header: EntryHeader) -> torch.Tensor:
     """Read the payload after :func:`read_header` into a fresh tensor, checksum verified."""
+    # The file's size is checked before allocating, so a damaged length cannot ask for more.
+    if os.fstat(file.fileno()).st_size - file.tell() != header.payload_len:
+        raise DamagedEntry("payload length differs from the header's")
     payload = torch.empty(header.shape, dtype=header.dtype)
     data = payload_bytes(payload)
     if file.readinto(memoryview(data)) != header.payload_len or file.read(1):

@@ -29,6 +29,7 @@ import torch
 from ragkv.cache_engine.kv_tiers.block_store import BlockStore
 from ragkv.cache_engine.kv_tiers.host_store import HostEntry, HostStore
 from ragkv.cache_engine.kv_tiers.payload import check_payload
+from ragkv.cache_engine.kv_tiers.payload import checksum as payload_checksum
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -55,6 +56,7 @@ class _Task:
     payload: torch.Tensor
     salted: bool
     ready: Ready | None = None
+    checksum: int | None = None  # a host entry's, verified again before it reaches disk
 
 
 class KVTiers:
@@ -175,6 +177,7 @@ class KVTiers:
                 offered=self._offers.offered,
                 dropped=self._offers.dropped,
                 write_errors=self._offers.write_errors,
+                corrupt=self._offers.corrupt,  # host entries that changed before reaching disk
                 entries=len(self._tasks),
             )
         out["offers"] = offers
@@ -193,8 +196,10 @@ class KVTiers:
             self._closed = True  # later offers are dropped
         self.flush()
         if self.write_policy == "write-back" and self.host is not None and self.disk is not None:
-            for entry in self.host.snapshot():
-                self._to_disk(entry.block_hash, entry.hash_input, entry.payload, entry.salted)
+            for entry in self._snapshot_that_fits():
+                self._to_disk(
+                    entry.block_hash, entry.hash_input, entry.payload, entry.salted, entry.checksum
+                )
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -239,7 +244,9 @@ class KVTiers:
         if task.ready is not None:
             task.ready.synchronize()
         if task.kind == "persist":
-            self._to_disk(task.block_hash, task.hash_input, task.payload, task.salted)
+            self._to_disk(
+                task.block_hash, task.hash_input, task.payload, task.salted, task.checksum
+            )
             return
         admitted = task.kind == "offer" and self._admitted(task.block_hash)
         if self.host is None:
@@ -253,15 +260,46 @@ class KVTiers:
             if not stored and task.kind == "offer":  # too big for host: disk may still hold it
                 self._to_disk(task.block_hash, task.hash_input, task.payload, task.salted)
             for entry in evicted:
-                self._to_disk(entry.block_hash, entry.hash_input, entry.payload, entry.salted)
+                self._to_disk(
+                    entry.block_hash, entry.hash_input, entry.payload, entry.salted, entry.checksum
+                )
         elif admitted:
             self._to_disk(task.block_hash, task.hash_input, task.payload, task.salted)
 
-    def _to_disk(self, block_hash: bytes, hash_input: bytes, payload, salted: bool) -> None:
+    def _to_disk(
+        self,
+        block_hash: bytes,
+        hash_input: bytes,
+        payload: torch.Tensor,
+        salted: bool,
+        checksum: int | None = None,
+    ) -> None:
         if self.disk is None or (salted and not self.salted_to_disk):
             return
-        if not self.disk.contains(block_hash):
-            self.disk.put(block_hash, hash_input, payload)
+        if self.disk.contains(block_hash):
+            return
+        if checksum is not None and payload_checksum(payload) != checksum:
+            # host memory changed under the entry: never let it become a disk entry that
+            # verifies (the disk checksum is computed from the bytes as written)
+            logger.warning("KV tiers: block %s changed in host memory", block_hash.hex())
+            with self._cond:
+                self._offers.corrupt += 1
+            return
+        self.disk.put(block_hash, hash_input, payload)
+
+    def _snapshot_that_fits(self) -> list[HostEntry]:
+        """Host entries not on disk yet, the most recently used that fit the disk's bound,
+        least recently used first (so the most recent are written last and kept)."""
+        budget = self.disk.capacity_bytes
+        chosen: list[HostEntry] = []
+        for entry in reversed(self.host.snapshot()):
+            if self.disk.contains(entry.block_hash) or (entry.salted and not self.salted_to_disk):
+                continue
+            if entry.nbytes > budget:
+                break
+            budget -= entry.nbytes
+            chosen.append(entry)
+        return chosen[::-1]
 
     def _admitted(self, block_hash: bytes) -> bool:
         """Count one more sighting; under write-through, whether the block now earns disk."""
@@ -280,5 +318,12 @@ class KVTiers:
         entry: HostEntry | None = self.host.peek(block_hash)
         if entry is not None:
             self._enqueue(
-                _Task("persist", block_hash, entry.hash_input, entry.payload, entry.salted)
+                _Task(
+                    "persist",
+                    block_hash,
+                    entry.hash_input,
+                    entry.payload,
+                    entry.salted,
+                    checksum=entry.checksum,
+                )
             )

@@ -16,9 +16,15 @@ import torch
 from support import TIER_BLOCK_SHAPE, same_bits
 from support import tier_block as block
 
-from ragkv.cache_engine.kv_tiers import DiskStore, KVTiers, StoreNamespace, weights_fingerprint
+from ragkv.cache_engine.kv_tiers import (
+    DiskStore,
+    HostStore,
+    KVTiers,
+    StoreNamespace,
+    weights_fingerprint,
+)
 from ragkv.cache_engine.kv_tiers import disk_store as disk_store_module
-from ragkv.errors import ConfigError
+from ragkv.errors import ConfigError, InvalidInputError
 
 SHAPE = TIER_BLOCK_SHAPE
 NS = StoreNamespace("model:tiny", "f" * 32, "float32", 4, "xxh3_128", "LKVBHD:2x2x4x2x8")
@@ -187,6 +193,8 @@ def test_other_namespaces_are_trimmed_to_half_the_capacity_at_open(tmp_path):
     older = DiskStore(tmp_path, 1 << 20, _replace(NS, weights_fingerprint="2" * 32))
     older.put(*block(0))
     older.put(*block(1))
+    old.close()  # both engines have exited: nothing holds their namespaces
+    older.close()
     os.utime(older.directory / "namespace.json", (1, 1))  # opened long ago
     store = DiskStore(tmp_path, 8 * size, NS)  # others hold 5 blocks: more than half of 8
     assert not older.directory.exists()  # the least recently opened goes first ...
@@ -198,6 +206,119 @@ def test_other_namespaces_are_trimmed_to_half_the_capacity_at_open(tmp_path):
     assert store.stats().bytes_used <= 8 * size - old_bytes
     total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     assert total <= 8 * size + 1024  # + the two namespace files
+
+
+def test_a_namespace_an_open_store_holds_is_never_trimmed(tmp_path):
+    live = DiskStore(tmp_path, 1 << 20, _replace(NS, weights_fingerprint="1" * 32))
+    for i in range(3):
+        live.put(*block(i))
+    os.utime(live.directory / "namespace.json", (1, 1))  # the least recently opened
+    DiskStore(tmp_path, 2 * file_size(live), NS)  # would trim it, were it not open
+    assert all((live._path(block(i)[0])).exists() for i in range(3))
+    assert live.put(*block(3)) and same_bits(live.get(*block(3)[:2]), block(3)[2])
+    live.close()
+    DiskStore(tmp_path, 2 * file_size(live), NS)  # closed: now it may go
+    assert not live.directory.exists()
+
+
+def test_a_store_whose_directory_was_removed_under_it_writes_again(tmp_path):
+    import shutil
+
+    store = DiskStore(tmp_path, 1 << 20, NS)
+    store.put(*block(0))
+    shutil.rmtree(store.directory)
+    assert store.put(*block(1)) and store.stats().write_errors == 0
+    assert same_bits(store.get(*block(1)[:2]), block(1)[2])
+    assert store.get(*block(0)[:2]) is None and store.stats().corrupt == 0  # gone: a miss
+
+
+def test_a_read_error_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, 1 << 20, NS)
+    store.put(*block(0))
+
+    def too_many_files(*args):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_store_module, "read_header", too_many_files)
+        assert store.get(*block(0)[:2]) is None
+    stats = store.stats()
+    assert (stats.misses, stats.corrupt, stats.entries) == (1, 0, 1)
+    assert same_bits(store.get(*block(0)[:2]), block(0)[2])
+
+
+def test_a_write_that_raises_releases_its_room_and_its_temporary_file(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, 1 << 20, NS)
+
+    def broken(*args):
+        raise TypeError("not a payload")
+
+    monkeypatch.setattr(disk_store_module, "write_entry", broken)
+    with pytest.raises(TypeError):
+        store.put(*block(0))
+    assert store._reserved == 0 and not list(store.blocks.iterdir())
+
+
+def test_no_room_for_a_write_evicts_nothing(tmp_path):
+    probe_size = file_size(_one_block_store(tmp_path / "probe"))
+    store = DiskStore(tmp_path / "s", 2 * probe_size, NS)
+    store.put(*block(0))
+    store._reserved = 2 * probe_size - 10  # writes in progress hold almost everything
+    assert not store.put(*block(1))
+    store._reserved = 0
+    assert store.contains(block(0)[0]) and store._path(block(0)[0]).exists()
+    assert store.stats().bytes_used == probe_size
+
+
+def _one_block_store(path) -> DiskStore:
+    store = DiskStore(path, 1 << 20, NS)
+    store.put(*block(0))
+    return store
+
+
+def test_an_old_temporary_file_is_removed_even_under_this_process_pid(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, NS)
+    fresh = store.blocks / f"{'ab' * 16}.{os.getpid()}.0.tmp"
+    stale = store.blocks / f"{'cd' * 16}.{os.getpid()}.1.tmp"
+    for path in (fresh, stale):
+        path.write_bytes(b"partial")
+    old = time.time() - disk_store_module.TMP_STALE_S - 60
+    os.utime(stale, (old, old))
+    DiskStore(tmp_path, 1 << 20, NS)
+    assert fresh.exists() and not stale.exists()
+
+
+def test_an_entry_the_format_cannot_hold_is_refused_before_writing(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, NS)
+    h, hash_input, payload = block(0)
+    with pytest.raises(InvalidInputError):
+        store.put(h * 5, hash_input, payload)  # an 80-byte key: a reader would reject it
+    assert not list(store.blocks.iterdir())
+
+
+def test_host_memory_that_changed_never_becomes_a_disk_entry(tmp_path):
+    disk = DiskStore(tmp_path, 1 << 20, NS)
+    tiers = KVTiers(HostStore(1 << 20), disk)
+    tiers.offer(*block(0), salted=False)
+    tiers.offer(*block(1), salted=False)
+    assert tiers.flush(10)
+    tiers.host.peek(block(0)[0]).payload.view(-1)[0] += 1  # a bit flipped in RAM
+    tiers.close()  # write-back: host memory goes to disk
+    assert not disk.contains(block(0)[0]) and disk.contains(block(1)[0])
+    assert tiers.stats()["offers"].corrupt == 1
+
+
+def test_close_writes_only_the_most_recent_host_entries_that_fit_the_disk(tmp_path):
+    size = file_size(_one_block_store(tmp_path / "probe"))
+    disk = DiskStore(tmp_path / "s", 3 * size + 100, NS)
+    tiers = KVTiers(HostStore(1 << 22), disk)
+    for i in range(10):
+        tiers.offer(*block(i), salted=False)
+    assert tiers.flush(10)
+    tiers.close()
+    stats = disk.stats()
+    assert (stats.puts, stats.evictions) == (3, 0)
+    assert all(disk.contains(block(i)[0]) for i in (7, 8, 9))
 
 
 def test_deleting_or_damaging_the_namespace_file_loses_nothing(tmp_path):
