@@ -280,6 +280,10 @@ class KVOffload:
             self.counters.offered_bytes += len(blocks) * self.block_bytes
 
     # -- read path (scheduler, stepping thread) ------------------------------------------
+    def may_look_up(self, request: Request) -> bool:
+        """Whether :meth:`begin` may look the request up now (cheap: ask before hashing)."""
+        return request.request_id not in self._probed
+
     def begin(
         self, request: Request, hashes: Sequence[bytes], inputs: Sequence[bytes], first_block: int
     ) -> bool:
@@ -329,21 +333,21 @@ class KVOffload:
         caller parks it once more instead of computing the whole rest. Nothing is consumed
         until :meth:`install`.
         """
+        request_id = request.request_id
         with self._lock:
-            staged = self._ready.get(request.request_id)
+            staged = self._ready.get(request_id)
         if staged is None:
             return None
-        request_id = request.request_id
         skip = num_pool_blocks - staged.first_block
         if skip < 0 or skip >= len(staged):
-            lookups = self._lookups.get(request_id, 0)
-            self.drop(request)
+            self._release(request_id)
             if skip < 0:
                 with self._lock:
                     self.counters.stale_loads += 1
-            if skip >= 0 or lookups >= MAX_LOOKUPS:
+            if skip >= 0 or self._lookups.get(request_id, 0) >= MAX_LOOKUPS:
                 self._probed.add(request_id)  # no further lookup before admission
-            self._lookups[request_id] = lookups
+            else:
+                self._probed.discard(request_id)
             return None
         return StagedBlocks(
             num_pool_blocks,
@@ -378,8 +382,14 @@ class KVOffload:
         self._lookups.pop(request.request_id, None)
 
     def drop(self, request: Request) -> None:
-        """Forget the request's staged payloads (and cancel its loads, if any are running)."""
-        request_id = request.request_id
+        """Forget the request's staged payloads (and cancel its loads, if any are running),
+        and that it was looked up."""
+        self._release(request.request_id)
+        self._probed.discard(request.request_id)
+        self._lookups.pop(request.request_id, None)
+
+    def _release(self, request_id: str) -> None:
+        """Free the request's staged payloads and cancel its running loads, if any."""
         with self._lock:
             staged = self._ready.pop(request_id, None)
             if staged is not None:
@@ -387,8 +397,6 @@ class KVOffload:
             reserved = self._loading.pop(request_id, None)
             if reserved is not None:
                 self._staged_blocks -= reserved
-        self._probed.discard(request_id)
-        self._lookups.pop(request_id, None)
 
     # -- the loader thread ---------------------------------------------------------------
     def _ensure_loader(self) -> None:

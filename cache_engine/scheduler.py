@@ -328,6 +328,8 @@ class Scheduler:
         requests are scheduled meanwhile; :meth:`_resume_loaded` puts it back once its
         payloads are staged in memory, and this is not asked again before it is admitted.
         """
+        if not self.tiers.may_look_up(request):
+            return False
         hashes, inputs = self.kv.reusable_hashes(request)
         if not self.tiers.begin(request, hashes, inputs, num_pool_blocks):
             return False

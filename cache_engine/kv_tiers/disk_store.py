@@ -108,7 +108,7 @@ class DiskStore:
         self._reserved = 0  # bytes of writes in progress
         self._tmp_names = itertools.count()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
-        self._lock_fd = _hold_namespace(self.directory)
+        self._lock_fd = _lock_namespace(self.directory, exclusive=False)
         self._write_namespace_file()
         self._budget = capacity_bytes - self._trim_other_namespaces()
         self._scan()
@@ -176,15 +176,18 @@ class DiskStore:
         path = self._path(block_hash)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{next(self._tmp_names)}{TMP_SUFFIX}")
         try:
-            written = self._write(tmp, path, block_hash, hash_input, payload)
-        except BaseException as exc:  # the reservation is released whatever went wrong
-            self._unlink(tmp)
-            with self._lock:
-                self._reserved -= size
-                self._stats.write_errors += isinstance(exc, OSError)
-            if isinstance(exc, OSError):
-                logger.warning("KV disk tier: cannot write %s (%s)", path.name, exc)
-                return False
+            try:
+                written = self._write(tmp, path, block_hash, hash_input, payload)
+            except FileNotFoundError:  # the tree was removed under this store: recreate it
+                self.blocks.mkdir(parents=True, exist_ok=True)
+                self._write_namespace_file()
+                written = self._write(tmp, path, block_hash, hash_input, payload)
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot write %s (%s)", path.name, exc)
+            self._abandon(tmp, size, write_error=True)
+            return False
+        except BaseException:
+            self._abandon(tmp, size, write_error=False)
             raise
         assert written == size
         with self._lock:
@@ -212,27 +215,22 @@ class DiskStore:
 
     # -- internals ---------------------------------------------------------------------------
 
+    @staticmethod
     def _write(
-        self,
-        tmp: Path,
-        path: Path,
-        block_hash: bytes,
-        hash_input: bytes,
-        payload: torch.Tensor,
+        tmp: Path, path: Path, block_hash: bytes, hash_input: bytes, payload: torch.Tensor
     ) -> int:
-        """Write ``tmp`` and rename it to ``path``; recreates a directory removed under us."""
-        for attempt in (1, 2):
-            try:
-                with open(tmp, "wb") as file:
-                    written = write_entry(file, block_hash, hash_input, payload)
-                os.replace(tmp, path)
-                return written
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-                self.blocks.mkdir(parents=True, exist_ok=True)  # someone removed the tree
-                self._write_namespace_file()
-        raise AssertionError("unreachable")
+        """Write the entry to ``tmp`` and rename it to ``path``; its size in bytes."""
+        with open(tmp, "wb") as file:
+            written = write_entry(file, block_hash, hash_input, payload)
+        os.replace(tmp, path)
+        return written
+
+    def _abandon(self, tmp: Path, size: int, *, write_error: bool) -> None:
+        """A write that did not happen: remove its temporary file, release its room."""
+        self._unlink(tmp)
+        with self._lock:
+            self._reserved -= size
+            self._stats.write_errors += write_error
 
     def _path(self, block_hash: bytes) -> Path:
         return self.blocks / f"{block_hash.hex()}{ENTRY_SUFFIX}"
@@ -316,48 +314,37 @@ class DiskStore:
         for _, size, path in others:
             if used <= self.capacity_bytes // 2:
                 break
-            fd = _claim_namespace(path)
-            if fd is None:
+            fd = _lock_namespace(path, exclusive=True)
+            if fd is None and fcntl is not None:
                 continue  # an open store holds it: never pull a live engine's tier away
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-            finally:
+            shutil.rmtree(path, ignore_errors=True)
+            if fd is not None:
                 os.close(fd)
             used -= size
         return used
 
 
-def _hold_namespace(directory: Path) -> int | None:
-    """Open the namespace's lock file and hold a shared lock on it (None where unsupported)."""
+def _lock_namespace(directory: Path, *, exclusive: bool) -> int | None:
+    """Lock a namespace's lock file; the open fd holding the lock, or None.
+
+    Shared (``exclusive=False``): what every open store holds for its lifetime (waits out a
+    trim in progress). Exclusive: taken without waiting, so it fails while any store holds
+    the namespace. None also where ``flock`` does not exist or the file cannot be opened.
+    """
     if fcntl is None:
         return None
+    path = directory / LOCK_NAME
     try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        logger.warning("KV disk tier: cannot open %s (%s)", directory / LOCK_NAME, exc)
+        logger.warning("KV disk tier: cannot open %s (%s)", path, exc)
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _claim_namespace(directory: Path) -> int | None:
-    """An exclusive lock on a namespace no open store holds (its fd), else None."""
-    if fcntl is None:
-        return os.open(os.devnull, os.O_RDONLY)
-    try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX | fcntl.LOCK_NB) if exclusive else fcntl.LOCK_SH)
     except OSError as exc:
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            logger.warning("KV disk tier: cannot lock %s (%s)", directory, exc)
+            logger.warning("KV disk tier: cannot lock %s (%s)", path, exc)
         return None
     return fd
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,8 +223,6 @@ def test_a_namespace_an_open_store_holds_is_never_trimmed(tmp_path):
 
 
 def test_a_store_whose_directory_was_removed_under_it_writes_again(tmp_path):
-    import shutil
-
     store = DiskStore(tmp_path, 1 << 20, NS)
     store.put(*block(0))
     shutil.rmtree(store.directory)
