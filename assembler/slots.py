@@ -8,11 +8,17 @@ loses the repeating parts as a shared prefix; keeping it in place loses everythi
 The policy, per slot (``"system"``, ``"few_shot[0]"``, or one marked part of a structured
 system prompt):
 
-1. **Detect.** A version is *novel* when it is not among the slot's recent versions. After
+0. **Group.** One slot may hold several templates interleaved (a RAG service that serves a
+   chat mode and a search mode: different system prompts in one field). Versions are grouped
+   by their leading block: a leading block seen at least twice names a template, learned on
+   its own; versions whose leading block is new (a prompt that starts with a date, or a
+   template's first request) share one catch-all group. Without this, the common prefix of
+   two templates' versions is empty and every request would move its whole system prompt.
+1. **Detect.** A version is *novel* when it is not among its group's recent versions. After
    ``after`` novel versions in a row the slot is *changing*; it is static again only after
    ``settle_after`` non-novel ones in a row (hysteresis: a session that repeats its own
    system prompt for a few turns does not flip the layout back and forth).
-2. **Learn.** While changing, the slot's ``versions`` most recent distinct versions are
+2. **Learn.** While changing, the group's ``versions`` most recent distinct versions are
    compared at token level: their common prefix is the *stable head*, their common suffix
    (over what is left) the *stable tail*. Both are rounded down to whole blocks, so a
    boundary that jitters by a token or two (a clock's digits) does not move the split.
@@ -39,9 +45,12 @@ from ragkv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Memory bound per assembler (one per tenant on a server): at most 64 slots x 8 versions x
-# 16,384 tokens, stored as int32 arrays (32 MiB); larger slots are never split.
-_MAX_SLOTS = 64
+# Memory bound per assembler (one per tenant on a server): at most 16 slots x 4 groups x
+# 8 versions x 16,384 tokens, stored as int32 arrays (32 MiB); larger slots are never split.
+_MAX_SLOTS = 16
+_MAX_GROUPS = 4  # per slot: the catch-all and the three most recently used templates
+_MAX_LEADS = 256  # leading blocks counted per slot
+_CATCH_ALL = b""
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,13 +62,19 @@ class SlotSplit:
 
 
 @dataclass(slots=True)
-class _Slot:
+class _Group:
     versions: deque[tuple[bytes, array]]
     novel_streak: int = 0
     settled_streak: int = 0
     changing: bool = False
-    warned: bool = False
     keys: set[bytes] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Slot:
+    groups: OrderedDict[bytes, _Group] = field(default_factory=OrderedDict)  # LRU last
+    leads: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # sightings
+    warned: bool = False
 
 
 class SlotLearner:
@@ -90,9 +105,10 @@ class SlotLearner:
 
         A split may still be empty (``head == tail == 0``: nothing stable to keep in front).
         """
-        state = self._slot(slot)
-        if state is None or len(token_ids) > self.max_slot_tokens:
+        slot_state = self._slot(slot)
+        if slot_state is None or len(token_ids) > self.max_slot_tokens:
             return None
+        state = self._group(slot_state, token_ids)
         novel = key not in state.keys
         if novel:
             state.novel_streak, state.settled_streak = state.novel_streak + 1, 0
@@ -105,8 +121,8 @@ class SlotLearner:
             state.novel_streak, state.settled_streak = 0, state.settled_streak + 1
         if not state.changing and state.novel_streak >= self.after:
             state.changing = True
-            if not state.warned:
-                state.warned = True
+            if not slot_state.warned:
+                slot_state.warned = True
                 logger.warning(
                     "The %s segment is marked static but changed on each of the last %d "
                     "requests (a timestamp or a user name?). The assembler keeps its stable "
@@ -122,19 +138,38 @@ class SlotLearner:
         return self._split(state, token_ids)
 
     def is_changing(self, slot: str) -> bool:
-        """Whether ``slot`` is currently treated as changing."""
+        """Whether some template of ``slot`` is currently treated as changing."""
         state = self._slots.get(slot)
-        return state is not None and state.changing
+        return state is not None and any(g.changing for g in state.groups.values())
 
     def _slot(self, slot: str) -> _Slot | None:
         state = self._slots.get(slot)
         if state is None:
             if len(self._slots) >= _MAX_SLOTS:
                 return None  # bounded: unknown slots beyond the cap stay whole
-            state = self._slots[slot] = _Slot(deque(maxlen=self.versions))
+            state = self._slots[slot] = _Slot()
         return state
 
-    def _split(self, state: _Slot, ids: Sequence[int]) -> SlotSplit:
+    def _group(self, state: _Slot, ids: Sequence[int]) -> _Group:
+        """The group this version is learned in: its template's, or the catch-all."""
+        lead = array("i", ids[: self.block_size]).tobytes()
+        leads = state.leads
+        leads[lead] = leads.get(lead, 0) + 1
+        leads.move_to_end(lead)
+        if len(leads) > _MAX_LEADS:
+            leads.popitem(last=False)
+        name = lead if leads[lead] >= 2 else _CATCH_ALL
+        groups = state.groups
+        group = groups.get(name)
+        if group is None:
+            group = groups[name] = _Group(deque(maxlen=self.versions))
+            if len(groups) > _MAX_GROUPS:
+                oldest = next(k for k in groups if k != _CATCH_ALL and k != name)
+                del groups[oldest]
+        groups.move_to_end(name)
+        return group
+
+    def _split(self, state: _Group, ids: Sequence[int]) -> SlotSplit:
         others = [v for _, v in state.versions]
         head = len(ids)
         for other in others:

@@ -28,10 +28,18 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--workload",
-        choices=("synthetic", "production", "trace"),
+        choices=("synthetic", "production", "trace", "ragpulse"),
         default="synthetic",
         help="synthetic (short system prompt, timestamp at its end), production (long system "
-        "prompt changing in the middle, Zipf passages, sessions) or a trace file",
+        "prompt changing in the middle, Zipf passages, sessions), a trace file, or a RAGPulse "
+        "trace directory (a real production RAG service's requests)",
+    )
+    p.add_argument(
+        "--model-free",
+        action="store_true",
+        help="no model: the lanes' real pipelines against a simulated engine (the same prefix "
+        "cache and pool, one request at a time); seconds instead of hours, plus the "
+        "position-independent bound",
     )
     p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=DEFAULTS.device)
@@ -110,6 +118,12 @@ def add_parser(subparsers: Any) -> None:
     t = p.add_argument_group("trace workload")
     t.add_argument("--trace", help="JSONL file, one request per line (segment ids by role)")
     t.add_argument("--lengths", help="JSON object {segment id: token length}")
+    t = p.add_argument_group("RAGPulse trace (--workload ragpulse)")
+    t.add_argument("--trace-dir", help="directory with 0_trace.jsonl and the length tables")
+    t.add_argument("--days", help="days to replay, 1-based: 2 or 1-3 (default: all)")
+    t.add_argument("--skip", type=int, default=0, help="requests to skip first")
+    t.add_argument("--limit", type=int, help="requests to replay at most")
+    t.add_argument("--scale", type=float, default=1.0, help="segment lengths x F (0 < F <= 1)")
     k = p.add_argument_group(f"KV tiers (the {TIERS_LANE} lane; a tier flag adds the lane)")
     k.add_argument(
         "--host-cache-bytes",
@@ -142,15 +156,24 @@ def build_workload(args: argparse.Namespace) -> Any:
     from ragkv.bench.workload import SyntheticConfig, synthetic_workload, trace_workload
     from ragkv.errors import ConfigError
 
+    if args.workload == "ragpulse":
+        from ragkv.bench.ragpulse import parse_days, ragpulse_workload
+
+        if not args.trace_dir:
+            raise ConfigError("--workload ragpulse needs --trace-dir DIR")
+        return ragpulse_workload(
+            args.trace_dir,
+            bench_tokenizer(args.model),
+            days=parse_days(args.days),
+            skip=args.skip,
+            limit=args.limit,
+            scale=args.scale,
+            seed=args.seed,
+        )
     if args.workload == "trace":
         if not args.trace or not args.lengths:
             raise ConfigError("--workload trace needs --trace FILE.jsonl and --lengths FILE.json")
-        from transformers import AutoTokenizer
-
-        from ragkv.bench.runner import model_path
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
-        return trace_workload(args.trace, args.lengths, tokenizer, seed=args.seed)
+        return trace_workload(args.trace, args.lengths, bench_tokenizer(args.model), seed=args.seed)
     requests = args.requests or (FULL_REQUESTS if args.full else DEFAULT_REQUESTS)
     topics = args.topics or (FULL_TOPICS if args.full else DEFAULT_TOPICS)
     if args.workload == "production":
@@ -183,6 +206,20 @@ def build_workload(args: argparse.Namespace) -> Any:
     )
 
 
+def bench_tokenizer(model: str | None) -> Any:
+    """The tokenizer of ``--model`` (default: the embedded model's), loaded once per run."""
+    if model not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        from ragkv.bench.runner import model_path
+
+        _TOKENIZERS[model] = AutoTokenizer.from_pretrained(model_path(model))
+    return _TOKENIZERS[model]
+
+
+_TOKENIZERS: dict[str | None, Any] = {}
+
+
 def run(args: argparse.Namespace) -> int:
     with quiet_invalidator_warning():
         return _run(args)
@@ -195,6 +232,8 @@ def _run(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     if args.replicas:
         return _run_replicas(args, workload)
+    if args.model_free:
+        return _run_model_free(args, workload)
     config = BenchConfig(
         model=args.model,
         device=args.device,
@@ -223,6 +262,33 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, results, args.plot)
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
+
+
+def _run_model_free(args: argparse.Namespace, workload: Any) -> int:
+    from ragkv.bench.model_free import run_model_free
+    from ragkv.bench.report import format_table, write_json
+    from ragkv.bench.runner import BenchConfig
+
+    config = BenchConfig(
+        model=args.model,
+        kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        order=args.order,
+        lanes=bench_lanes(args),
+        progress=not args.no_progress,
+    )
+    report, _ = run_model_free(workload, config, bench_tokenizer(args.model))
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+        bound = report["bounds"].get("position_independent_hit_rate")
+        if bound is not None:
+            print(f"position-independent bound (any position, unbounded cache): {bound:.1%} hit")
+        if args.json:
+            write_json(report, args.json)
+    return 0
 
 
 def _run_replicas(args: argparse.Namespace, workload: Any) -> int:

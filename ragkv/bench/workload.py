@@ -69,13 +69,16 @@ _STOP = frozenset(
 class RequestSpec:
     """One request: system prompt, retrieved chunks (retrieval order, duplicates kept), question.
 
+    ``system`` is anything the assembler accepts (a string, or a list of parts for a trace
+    that logs its system prompt in segments).
+
     ``history`` is fixed by the workload (trace) or ``None``: the lane then uses its own
     question/answer turns of the same ``session_id`` so far (synthetic follow-ups).
     """
 
     index: int
     session_id: str
-    system: str
+    system: Any
     question: str
     chunks: list[Chunk]
     history: list[dict[str, str]] | None = None
