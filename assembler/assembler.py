@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
 
+from ragkv.assembler.boundaries import is_boundary, last_boundary, next_boundary
 from ragkv.assembler.budget import fit_budget
 from ragkv.assembler.ordering import (
     cache_aware_order,
@@ -52,7 +53,7 @@ from ragkv.assembler.segments import (
     parse_overrides,
 )
 from ragkv.assembler.sent import SentPrefixes
-from ragkv.assembler.slots import SlotLearner
+from ragkv.assembler.slots import SlotLearner, SlotSplit
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike, Volatile, system_parts
 from ragkv.assembler.template import Layout, Piece, PromptTemplate
@@ -66,6 +67,7 @@ Residency = Callable[[Sequence[int]], int]
 
 Turn = Mapping[str, str] | tuple[str, str]
 _MAX_DECODED = 256
+_MAX_BOUNDARY_PRICE = 64  # tokens: about one long sentence
 Group = list[Segment]  # segments concatenated directly (the parts of one slot)
 
 
@@ -107,8 +109,11 @@ class Assembler:
     on every request in place and moves only its changing part after the chunks
     (:mod:`ragkv.assembler.slots`); ``invalidator_after`` novel versions in a row mark a
     slot as changing. ``never_worse=False`` skips the comparison with the as-given order;
-    the as-given plan must win by more than ``never_worse_slack`` tokens (default: one
-    block), because near-ties go to the canonical plan, the one later requests can share.
+    the as-given plan must win by more than ``never_worse_slack`` tokens, because near-ties go
+    to the canonical plan, the one later requests can share. The default is one block plus
+    the tokens a learned split gave up to cut on a text boundary (without that, a layout
+    whose clean cut is a few tokens shorter than the app's shared prefix would never be sent
+    once, and so never cached); an explicit value is used as it is (0: strictly never worse).
     ``collapse_duplicates=False`` keeps byte-identical chunks as retrieved (what an
     application without a dedup stage sends; the benchmark's baseline lanes need it).
     """
@@ -150,8 +155,9 @@ class Assembler:
         self.collapse_duplicates = collapse_duplicates
         self.never_worse = never_worse
         self.never_worse_slack = block_size if never_worse_slack is None else never_worse_slack
+        self._boundary_slack = never_worse_slack is None  # see _choose
         self._lock = threading.Lock()
-        self._decoded: OrderedDict[bytes, str] = OrderedDict()  # see _decode_stable
+        self._cuts: OrderedDict[tuple[bool, int, bytes], tuple[int, str]] = OrderedDict()
         self._settings = {
             "block_size": block_size,
             "order": order,
@@ -356,7 +362,7 @@ class Assembler:
         overrides: dict[SegmentKind, Stability],
     ) -> PromptPlan:
         stats = tokenized.stats
-        head, tail = self._place_statics(tokenized.statics, stats)
+        head, tail, boundary_slack = self._place_statics(tokenized.statics, stats)
         chunks = tokenized.chunks
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats)
         request = _Request(head, chunks, tail, tokenized.turns, tokenized.question)
@@ -378,7 +384,13 @@ class Assembler:
             if given is not None and given[0].token_ids != candidates[0][0].token_ids:
                 candidates.append(given)
                 has_given = True
-        plan, head_key, order = self._choose(candidates, has_given, residency, stats)
+        plan, head_key, order = self._choose(
+            candidates,
+            has_given,
+            residency,
+            stats,
+            self.never_worse_slack + (boundary_slack if self._boundary_slack else 0),
+        )
         if self.order == "cache-aware":
             self.tree.insert(head_key, [s.key for s in order])
         self.sent.record(plan.token_ids)
@@ -396,22 +408,25 @@ class Assembler:
 
     def _place_statics(
         self, statics: list[Segment], stats: AssemblyStats
-    ) -> tuple[list[Group], list[Group]]:
+    ) -> tuple[list[Group], list[Group], int]:
         """Split static segments into head groups (before chunks) and tail groups (after).
 
         Caller-marked volatile parts go to the tail. Every other static segment is shown to
         the slot learner; a changing one keeps its stable head and tail in front and moves
         its middle after the chunks (or stays whole with ``demote_invalidators=False``).
+        The third value is how many learned-stable tokens moved with the middle because the
+        cut had to fall on a text boundary.
         """
+        boundary_slack = 0
         flagged, demoted = [], []
         system_head: Group = []
-        system_tail: Group = []
+        moved_parts: list[Group] = []  # each its own item: set off by the separator
         head: list[Group] = []
         tail: list[Group] = []
         for segment in statics:
             is_system = segment.kind is SegmentKind.SYSTEM
             if segment.stability is Stability.VOLATILE:
-                (system_tail if is_system else tail).append(segment)
+                (moved_parts if is_system else tail).append([segment])
                 continue
             split = self.slots.observe(segment.slot, segment.key, segment.token_ids)
             stay: Group = [segment]
@@ -420,28 +435,43 @@ class Assembler:
                 flagged.append(segment.slot)
                 if self.demote_invalidators:
                     demoted.append(segment.slot)
-                    stay, moved = self._cut(segment, split.head, split.tail)
+                    stay, moved, kept_head = self._cut(segment, split.head, split.tail)
+                    boundary_slack += self._boundary_price(split, kept_head)
             if is_system:
                 system_head += stay
-                system_tail += moved
+                moved_parts += [[piece] for piece in moved]
             else:
                 head.append(stay)
                 if moved:
                     tail.append(moved)
         if system_head:
             head.insert(0, system_head)
-        if system_tail:
-            tail.insert(0, system_tail)
+        tail[:0] = moved_parts
         stats.invalidators, stats.demoted = tuple(flagged), tuple(demoted)
         stats.moved_tokens = sum(len(s.token_ids) for group in tail for s in group)
-        return head, tail
+        return head, tail, boundary_slack
 
-    def _cut(self, segment: Segment, head: int, tail: int) -> tuple[Group, Group]:
-        """``segment`` as (stable parts kept in place, the volatile middle moved)."""
+    def _boundary_price(self, split: SlotSplit, kept_head: int) -> int:
+        """How much longer the app's own order's cached prefix can be than this split's
+        because the head had to end on a text boundary: the tokens between the boundary and
+        the end of what the versions share, plus a block of rounding.
+
+        Counted only where a boundary was found (the head kept something), and at most
+        ``_MAX_BOUNDARY_PRICE``: a part with no boundary in its head moves whole, and must
+        then win the never-worse comparison on its own merit.
+        """
+        if kept_head == 0:
+            return 0
+        price = split.shared - kept_head + self.block_size
+        return max(0, min(price, _MAX_BOUNDARY_PRICE))
+
+    def _cut(self, segment: Segment, head: int, tail: int) -> tuple[Group, Group, int]:
+        """``segment`` as (stable parts kept in place, the volatile middle moved, tokens of
+        the head kept)."""
         ids = list(segment.token_ids)
         text = segment.text
-        head, head_text = _clean_cut(self._decode_stable, ids, head, text, from_end=False)
-        tail, tail_text = _clean_cut(self._decode_stable, ids, tail, text, from_end=True)
+        head, head_text = self._clean_cut(ids, head, text, from_end=False)
+        tail, tail_text = self._clean_cut(ids, tail, text, from_end=True)
         middle_text = text[len(head_text) : len(text) - len(tail_text)]
         pieces = [
             (ids[:head], head_text, Stability.STATIC),
@@ -466,17 +496,26 @@ class Assembler:
                 demoted=stability is None,
             )
             (stay if stability else moved).append(piece)
-        return stay, moved
+        return stay, moved, head
 
-    def _decode_stable(self, ids: list[int]) -> str:
-        """Decode a slot's stable head or tail: the same ids on every request, so memoized."""
-        key = array("i", ids).tobytes()
-        text = self._decoded.get(key)
-        if text is None:
-            text = self._decoded[key] = self.tokenizer.decode(ids)
-            if len(self._decoded) > _MAX_DECODED:
-                self._decoded.popitem(last=False)
-        return text
+    def _clean_cut(
+        self, ids: list[int], length: int, text: str, *, from_end: bool
+    ) -> tuple[int, str]:
+        """:func:`_clean_cut`, memoized: a slot's stable head or tail is the same on every
+        request. The key holds two tokens past the cut, which decide whether it ends a
+        sentence."""
+        if length == 0:
+            return 0, ""
+        region = ids[max(0, len(ids) - length - 2) :] if from_end else ids[: length + 2]
+        key = (from_end, length, array("i", region).tobytes())
+        found = self._cuts.get(key)
+        if found is None:
+            found = self._cuts[key] = _clean_cut(
+                self.tokenizer.decode, ids, length, text, from_end=from_end
+            )
+            if len(self._cuts) > _MAX_DECODED:
+                self._cuts.popitem(last=False)
+        return found
 
     def _classify_chunks(
         self, chunks: list[Segment], forced: Stability | None, stats: AssemblyStats
@@ -539,10 +578,13 @@ class Assembler:
         has_given: bool,
         residency: Residency | None,
         stats: AssemblyStats,
+        slack: int,
     ) -> tuple[PromptPlan, bytes, list[Segment]]:
         """The candidate with the longest cached prefix; ties go to the earliest (canonical).
 
-        ``has_given``: the last candidate is the as-given plan.
+        ``has_given``: the last candidate is the as-given plan, which must win by more than
+        ``slack`` tokens (a block, plus what the canonical head gave up to end on a text
+        boundary: a price of meaning, not a worse order).
         """
         if len(candidates) == 1 and residency is None:
             plan = candidates[0][0]
@@ -555,7 +597,7 @@ class Assembler:
         best = max(range(len(candidates)), key=cached.__getitem__)
         if has_given and best == len(candidates) - 1:
             canonical_best = max(range(len(candidates) - 1), key=cached.__getitem__)
-            if cached[best] - cached[canonical_best] <= self.never_worse_slack:
+            if cached[best] - cached[canonical_best] <= slack:
                 best = canonical_best  # a near-tie: the canonical plan is the investment
         plan, head_key, order = candidates[best]
         plan.stats = stats
@@ -665,18 +707,25 @@ def _head_key(head: list[Group]) -> bytes:
 def _clean_cut(
     decode: Callable[[list[int]], str], ids: list[int], length: int, text: str, *, from_end: bool
 ) -> tuple[int, str]:
-    """``length`` shortened (by a few tokens at most) so the cut falls between characters,
-    with the text of the cut-off part.
+    """``length`` shortened so the cut falls on a text boundary (:mod:`.boundaries`), with the
+    text of the cut-off part; ``(0, "")`` when the part holds no boundary.
 
-    Byte-level BPE can split one UTF-8 character over two tokens; cutting there would make
-    the two parts' texts disagree with the whole's.
+    The head ends at the last newline or sentence end in it, the tail starts at the first one
+    in it: a learned split never leaves half a sentence, half a word or half a number on
+    either side, and never splits a UTF-8 character that byte-level BPE spread over tokens.
     """
-    for _ in range(4):
-        if length == 0:
-            break
+    looked = False
+    while length > 0:
         part = decode(ids[len(ids) - length :] if from_end else ids[:length])
         if text.endswith(part) if from_end else text.startswith(part):
-            return length, part
+            edge = len(text) - len(part) if from_end else len(part)
+            if is_boundary(text, edge):
+                return length, part
+            if not looked:  # no boundary anywhere in the part: stop walking at once
+                looked = True
+                nearest = next_boundary(text, edge) if from_end else last_boundary(text, edge)
+                if nearest in (0, len(text)):
+                    return 0, ""
         length -= 1
     return 0, ""
 

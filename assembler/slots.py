@@ -55,10 +55,15 @@ _CATCH_ALL = b""
 
 @dataclass(slots=True, frozen=True)
 class SlotSplit:
-    """Where one version of a slot is cut: ``ids[:head]`` and ``ids[len - tail:]`` stay."""
+    """Where one version of a slot is cut: ``ids[:head]`` and ``ids[len - tail:]`` stay.
+
+    ``shared`` is the version's common prefix with the others before rounding to blocks (what
+    the app's own order shares with earlier requests).
+    """
 
     head: int
     tail: int
+    shared: int = 0
 
 
 @dataclass(slots=True)
@@ -178,7 +183,7 @@ class SlotLearner:
         for other in others:
             tail = min(tail, _common_suffix(ids, other, min(tail, len(other) - head)))
         bs = self.block_size
-        return SlotSplit(head - head % bs, tail - tail % bs)
+        return SlotSplit(head - head % bs, tail - tail % bs, head)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -6,9 +6,12 @@
     system=["You are a support bot for ACME.\\n", Volatile("Today is 2026-12-01.\\n"),
             "Rules: answer from the context; ..."]
 
-or a template whose substituted values are the volatile parts::
+or a template whose substituted values make their sentences volatile::
 
     system=SystemPrompt("You are {bot}. Today is {date}.\\nRules: ...", bot="Ava", date=today)
+
+A value never moves alone: the whole sentence or line that holds it moves, label included
+(``"Today is 2026-12-01."``), cut on text boundaries (:mod:`ragkv.assembler.boundaries`).
 
 Stable parts stay in front, in their order (joined without separators, as written);
 volatile parts move after the retrieved chunks, before history and question. The text the
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ragkv.assembler.boundaries import last_boundary, next_boundary
 from ragkv.errors import InvalidInputError
 
 
@@ -40,11 +44,13 @@ class Volatile:
 
 
 class SystemPrompt:
-    """A system prompt template: the template's text is stable, substituted values volatile.
+    """A system prompt template whose substituted values change between requests.
 
     ``SystemPrompt("You are {bot}. Today is {date}.", bot="Ava", date="2026-12-01")``.
-    Every ``{field}`` must be given; values are converted with ``str()``. A value that is
-    the same on every request belongs in the template text itself.
+    Every ``{field}`` must be given; values are converted with ``str()``. Each sentence or
+    line that holds a value is volatile as a whole (``"Today is 2026-12-01."``); the rest of
+    the template is stable. A value that is the same on every request belongs in the template
+    text itself. Literal braces are written doubled (``{{`` and ``}}``).
     """
 
     __slots__ = ("template", "values")
@@ -57,12 +63,45 @@ class SystemPrompt:
         self.parts()  # validate now, in the caller's thread
 
     def parts(self) -> list[str | Volatile]:
-        """The template split into stable text and :class:`Volatile` values, in order."""
+        """The prompt split into stable text and :class:`Volatile` sentences, in order: the
+        parts' texts joined are the formatted prompt, byte for byte."""
+        pieces = self._pieces()
+        text = "".join(p if isinstance(p, str) else p.text for p in pieces)
+        spans: list[list[int]] = []  # volatile [start, end), widened to whole sentences
+        pos = 0
+        for piece in pieces:
+            size = len(piece if isinstance(piece, str) else piece.text)
+            if isinstance(piece, Volatile):
+                start, end = last_boundary(text, pos), next_boundary(text, pos + size)
+                rest = text[end:]
+                if rest.lstrip(" \t").startswith("\n"):  # the line ends here: take its newline
+                    end += len(rest) - len(rest.lstrip(" \t")) + 1
+                if spans and start <= spans[-1][1]:
+                    spans[-1][1] = max(spans[-1][1], end)
+                else:
+                    spans.append([start, end])
+            pos += size
+        parts: list[str | Volatile] = []
+        pos = 0
+        for start, end in spans:
+            if start > pos:
+                parts.append(text[pos:start])
+            parts.append(Volatile(text[start:end]))
+            pos = end
+        if pos < len(text):
+            parts.append(text[pos:])
+        return parts
+
+    def _pieces(self) -> list[str | Volatile]:
+        """The template's literal runs and the bare formatted values, in order."""
         parts: list[str | Volatile] = []
         try:
             parsed = list(string.Formatter().parse(self.template))
         except ValueError as exc:
-            raise InvalidInputError(f"Bad SystemPrompt template: {exc}.", param="system") from exc
+            raise InvalidInputError(
+                f"Bad SystemPrompt template: {exc}. Write a literal brace doubled: {{{{ or }}}}.",
+                param="system",
+            ) from exc
         for literal, name, spec, conversion in parsed:
             if literal and parts and isinstance(parts[-1], str):
                 parts[-1] += literal  # "{{" splits one literal run in two
@@ -72,7 +111,8 @@ class SystemPrompt:
                 continue
             if name not in self.values:
                 raise InvalidInputError(
-                    f"SystemPrompt template field {{{name}}} has no value; pass {name}=...",
+                    f"SystemPrompt template field {{{name}}} has no value; pass {name}=... "
+                    "(for literal braces in the text, double them: {{ and }})",
                     param="system",
                 )
             value = self.values[name]

@@ -108,7 +108,9 @@ def ragpulse_workload(
         if not ids["user_input"]:
             raise InvalidInputError(f"{root / TRACE_FILE}:{number}: no user_input segment")
         roles = ("user", "assistant")
-        chunks = [Chunk(text("passages_ids", i), source_id=f"passage:{i}") for i in ids["passages_ids"]]
+        chunks = [
+            Chunk(text("passages_ids", i), source_id=f"passage:{i}") for i in ids["passages_ids"]
+        ]
         chunks += [Chunk(text("web_search", i), source_id=f"web:{i}") for i in ids["web_search"]]
         requests.append(
             RequestSpec(

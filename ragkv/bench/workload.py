@@ -242,7 +242,9 @@ def trace_workload(
     Each line: ``{"session_id": str, "system": [ids], "passages": [ids], "history": [ids],
     "user": [ids]}`` (missing roles are empty; ``history`` alternates user/assistant turns).
     Every id becomes the same ``length`` tokens in every request (seeded by ``seed`` and the
-    id), drawn from whole-word tokens of ``tokenizer`` so the text re-tokenizes exactly.
+    id), drawn from whole-word tokens of ``tokenizer`` so the text re-tokenizes exactly. The
+    system prompt is a list of parts, one per id (the text has no sentences for a learned
+    split to cut at; a logged segment is the unit the app itself changed).
     """
     lengths = _read_lengths(lengths_path)
     vocab = word_vocabulary(tokenizer)
@@ -266,7 +268,7 @@ def trace_workload(
             RequestSpec(
                 index=index,
                 session_id=str(line.get("session_id", f"r{index}")),
-                system="".join(text(s) for s in ids["system"]),
+                system=[text(s) for s in ids["system"]],  # one part per id: see ragpulse
                 question="".join(text(s) for s in ids["user"]),
                 chunks=[Chunk(text(s), source_id=s) for s in ids["passages"]],
                 history=history,

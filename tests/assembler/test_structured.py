@@ -27,8 +27,8 @@ def _system_spans(plan):
             lambda day: SystemPrompt(
                 "You are a Python expert.\nToday is day {day}.\n" + RULES, day=day
             ),
-            ["You are a Python expert.\nToday is day ", ".\n" + RULES],
-            "{day}",
+            ["You are a Python expert.\n", RULES],
+            "Today is day {day}.\n",  # the whole line moves, label included
         ),
     ],
     ids=["parts", "template"],
@@ -63,13 +63,8 @@ def test_volatile_parts_go_after_the_chunks_from_the_first_request(
 def test_a_template_renders_to_the_same_text_as_format(local_tokenizer):
     prompt = SystemPrompt("Hi {name!r}, it is {hour:02d}h. {{literal}}", name="Ann", hour=7)
     assert str(prompt) == "Hi 'Ann', it is 07h. {literal}"
-    assert [type(p).__name__ for p in prompt.parts()] == [
-        "str",
-        "Volatile",
-        "str",
-        "Volatile",
-        "str",
-    ]
+    # Both values sit in one sentence: it moves whole, the literal text after it stays.
+    assert prompt.parts() == [Volatile("Hi 'Ann', it is 07h."), " {literal}"]
 
 
 @pytest.mark.parametrize(
