@@ -462,7 +462,7 @@ class Assembler:
         """
         if kept_head == 0:
             return 0
-        price = split.shared - kept_head + self.block_size
+        price = split.head - kept_head + self.block_size
         return max(0, min(price, _MAX_BOUNDARY_PRICE))
 
     def _cut(self, segment: Segment, head: int, tail: int) -> tuple[Group, Group, int]:

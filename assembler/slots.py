@@ -20,8 +20,10 @@ system prompt):
    system prompt for a few turns does not flip the layout back and forth).
 2. **Learn.** While changing, the group's ``versions`` most recent distinct versions are
    compared at token level: their common prefix is the *stable head*, their common suffix
-   (over what is left) the *stable tail*. Both are rounded down to whole blocks, so a
-   boundary that jitters by a token or two (a clock's digits) does not move the split.
+   (over what is left) the *stable tail*. The assembler then moves each cut to a text
+   boundary (the head ends at the last newline or sentence end in it, the tail starts at the
+   first one), so a boundary that jitters by a token or two (a clock's digits) does not move
+   the split, and no sentence is cut in half.
 3. **Split.** The current version is cut into ``head ⊕ volatile ⊕ tail``: head and tail stay
    in place, joined (``"You are X. " ⊕ "Rules: …"``), and the volatile middle moves after the
    chunks, before the history and the question. A slot that never changes is never split.
@@ -55,15 +57,11 @@ _CATCH_ALL = b""
 
 @dataclass(slots=True, frozen=True)
 class SlotSplit:
-    """Where one version of a slot is cut: ``ids[:head]`` and ``ids[len - tail:]`` stay.
-
-    ``shared`` is the version's common prefix with the others before rounding to blocks (what
-    the app's own order shares with earlier requests).
-    """
+    """What one version of a slot shares with the others: ``ids[:head]`` and
+    ``ids[len - tail:]`` (in tokens, before the assembler moves each cut to a text boundary)."""
 
     head: int
     tail: int
-    shared: int = 0
 
 
 @dataclass(slots=True)
@@ -182,8 +180,7 @@ class SlotLearner:
         tail = len(ids) - head
         for other in others:
             tail = min(tail, _common_suffix(ids, other, min(tail, len(other) - head)))
-        bs = self.block_size
-        return SlotSplit(head - head % bs, tail - tail % bs, head)
+        return SlotSplit(head, tail)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -55,6 +55,11 @@ class Answer:
     def finish_reason(self) -> str:
         return self.output.finish_reason
 
+    @property
+    def prompt_text(self) -> str:
+        """The prompt exactly as the model read it (chat template, reordered parts and all)."""
+        return self.plan.text
+
 
 @dataclass(slots=True)
 class AnswerDelta:
@@ -81,6 +86,12 @@ class Pipeline:
     another's prompts; at most ``max_namespaces`` are remembered (least recently used
     forgotten). Requests without either share the base assembler.
 
+    ``learn_system=False`` keeps every system prompt as written: the assembler moves no
+    learned part of it (parts the app marks with ``Volatile`` or ``SystemPrompt`` still
+    move). By default a system prompt seen changing on every request keeps its stable
+    sentences in front and moves the sentences that change after the retrieved context, cut
+    only at a newline or a sentence end; ``answer.prompt_text`` shows what the model read.
+
     ``reuse="blend"`` opts every request into position-independent chunk reuse (an
     in-process :class:`~ragkv.cache_engine.Engine` only): the plan's chunk spans go to the
     engine, and a retrieved chunk whose K/V was computed in an earlier prompt, at another
@@ -97,6 +108,7 @@ class Pipeline:
         *,
         order: str = "stable-first",
         registry: ChunkRegistry | None = None,
+        learn_system: bool = True,
         dedup: bool = True,
         max_prompt_tokens: int | None = None,
         default_params: SamplingParams | None = None,
@@ -108,6 +120,12 @@ class Pipeline:
         if max_namespaces < 1:
             raise ConfigError(f"max_namespaces must be >= 1, got {max_namespaces}.")
         self.blend = _check_reuse(engine, reuse, blend)
+        if assembler is not None and not learn_system and assembler.demote_invalidators:
+            raise ConfigError(
+                "learn_system=False with your own assembler: build it with "
+                "Assembler(..., demote_invalidators=False) instead",
+                param="learn_system",
+            )
         self.engine = engine
         self.deduplicator = deduplicator or Deduplicator()
         self.assembler = assembler or Assembler(
@@ -116,6 +134,7 @@ class Pipeline:
             order=order,
             registry=registry,
             collapse_duplicates=False,
+            demote_invalidators=learn_system,
         )
         self.registry = self.assembler.registry
         self.dedup_enabled = dedup
