@@ -226,26 +226,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ragkv.bench.report import format_table, plot, write_json
-    from ragkv.bench.runner import BenchConfig, run_bench
+    from ragkv.bench.report import format_table, plot
+    from ragkv.bench.runner import run_bench
 
     workload = build_workload(args)
     if args.replicas:
         return _run_replicas(args, workload)
     if args.model_free:
         return _run_model_free(args, workload)
-    config = BenchConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        block_size=args.block_size,
-        max_tokens=args.max_tokens,
-        concurrency=args.concurrency,
-        order=args.order,
+    config = _bench_config(
+        args,
         lanes=bench_lanes(args),
         blend_k=args.blend_k,
-        progress=not args.no_progress,
         host_cache_bytes=args.host_cache_bytes,
         kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes,
@@ -253,12 +245,7 @@ def _run(args: argparse.Namespace) -> int:
         restart=args.restart,
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_table(report))
-        if args.json:
-            write_json(report, args.json)
+    _print_report(args, report, format_table)
     if args.plot:
         plot(report, results, args.plot)
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
@@ -266,37 +253,29 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_model_free(args: argparse.Namespace, workload: Any) -> int:
     from ragkv.bench.model_free import run_model_free
-    from ragkv.bench.report import format_table, write_json
-    from ragkv.bench.runner import BenchConfig
+    from ragkv.bench.report import format_table
 
-    config = BenchConfig(
-        model=args.model,
-        kv_cache_tokens=args.kv_cache_tokens,
-        block_size=args.block_size,
-        max_tokens=args.max_tokens,
-        order=args.order,
-        lanes=bench_lanes(args),
-        progress=not args.no_progress,
-    )
+    config = _bench_config(args, lanes=bench_lanes(args))
     report, _ = run_model_free(workload, config, bench_tokenizer(args.model))
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_table(report))
+
+    def table(report: dict[str, Any]) -> str:
         bound = report["bounds"].get("position_independent_hit_rate")
-        if bound is not None:
-            print(f"position-independent bound (any position, unbounded cache): {bound:.1%} hit")
-        if args.json:
-            write_json(report, args.json)
+        if bound is None:
+            return format_table(report)
+        return (
+            f"{format_table(report)}\nposition-independent bound (any position, unbounded "
+            f"cache): {bound:.1%} hit"
+        )
+
+    _print_report(args, report, table)
     return 0
 
 
-def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
-    from ragkv.bench.replicas import format_replica_table, run_replica_bench
-    from ragkv.bench.report import write_json
+def _bench_config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The engine-side settings every kind of run takes from the flags, plus ``fields``."""
     from ragkv.bench.runner import BenchConfig
 
-    config = BenchConfig(
+    return BenchConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -306,15 +285,29 @@ def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
         concurrency=args.concurrency,
         order=args.order,
         progress=not args.no_progress,
+        **fields,
     )
-    policies = [name.strip() for name in args.routing.split(",") if name.strip()]
-    report, _ = run_replica_bench(workload, config, args.replicas, policies, args.balance_threshold)
+
+
+def _print_report(args: argparse.Namespace, report: dict[str, Any], table: Any) -> None:
+    """The report as JSON on stdout (``--json -``), else the table (and ``--json FILE``)."""
+    from ragkv.bench.report import write_json
+
     if args.json == "-":
         print(json.dumps(report, indent=2))
-    else:
-        print(format_replica_table(report))
-        if args.json:
-            write_json(report, args.json)
+        return
+    print(table(report))
+    if args.json:
+        write_json(report, args.json)
+
+
+def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
+    from ragkv.bench.replicas import format_replica_table, run_replica_bench
+
+    config = _bench_config(args)
+    policies = [name.strip() for name in args.routing.split(",") if name.strip()]
+    report, _ = run_replica_bench(workload, config, args.replicas, policies, args.balance_threshold)
+    _print_report(args, report, format_replica_table)
     return 0 if report["determinism"]["ok"] or not report["determinism"]["strict"] else 1
 
 

@@ -25,12 +25,17 @@ trace role       request
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ragkv.bench.workload import RequestSpec, Workload, segment_text, word_vocabulary
+from ragkv.bench.workload import (
+    RequestSpec,
+    Workload,
+    read_jsonl,
+    segment_text,
+    word_vocabulary,
+)
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -88,7 +93,7 @@ def ragpulse_workload(
             "'Replaying a public trace'"
         )
     lengths = {role: _lengths(root / name, key) for role, (name, key) in TABLES.items()}
-    lines = list(_select(_read_trace(root / TRACE_FILE), days, skip, limit))
+    lines = list(_select(read_jsonl(root / TRACE_FILE), days, skip, limit))
     vocab = word_vocabulary(tokenizer)
     texts: dict[tuple[str, int], str] = {}
 
@@ -144,16 +149,12 @@ def ragpulse_workload(
 
 def _lengths(path: Path, key: str) -> dict[int, int]:
     table: dict[int, int] = {}
-    for number, obj in _jsonl(path):
+    for number, obj in read_jsonl(path):
         segment_id, length = obj.get(key), obj.get("token_length")
         if not isinstance(segment_id, int) or not isinstance(length, int) or length < 1:
             raise InvalidInputError(f"{path}:{number}: needs {key} (int) and token_length >= 1")
         table[segment_id] = length
     return table
-
-
-def _read_trace(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    yield from _jsonl(path)
 
 
 def _select(
@@ -191,21 +192,3 @@ def _hash_ids(line: dict[str, Any], number: int, root: Path) -> dict[str, list[i
             raise InvalidInputError(f"{root / TRACE_FILE}:{number}: {role} must be a list of ints")
         ids[role] = value
     return ids
-
-
-def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        handle = path.open()
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read {path}: {exc}") from exc
-    with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidInputError(f"{path}:{number}: not JSON ({exc})") from exc
-            if not isinstance(obj, dict):
-                raise InvalidInputError(f"{path}:{number}: each line must be a JSON object")
-            yield number, obj

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -320,24 +320,29 @@ def _read_lengths(path: str | Path) -> dict[str, int]:
 
 
 def _read_lines(path: str | Path) -> list[dict[str, Any]]:
-    try:
-        raw = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read the trace {path}: {exc}") from exc
-    lines = []
-    for number, line in enumerate(raw, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidInputError(f"{path}:{number}: not JSON ({exc})") from exc
-        if not isinstance(obj, dict):
-            raise InvalidInputError(f"{path}:{number}: each line must be a JSON object")
-        lines.append(obj)
+    lines = [obj for _, obj in read_jsonl(Path(path))]
     if not lines:
         raise InvalidInputError(f"the trace {path} has no requests")
     return lines
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file of objects."""
+    try:
+        handle = path.open()
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {path}: {exc}") from exc
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidInputError(f"{path}:{number}: not JSON ({exc})") from exc
+            if not isinstance(obj, dict):
+                raise InvalidInputError(f"{path}:{number}: each line must be a JSON object")
+            yield number, obj
 
 
 def _ids(line: dict[str, Any], role: str, path: str | Path, index: int) -> list[str]:
