@@ -21,6 +21,7 @@ so that it reads well on its own (end it with a newline or a space).
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,8 +75,9 @@ class SystemPrompt:
             if isinstance(piece, Volatile):
                 start, end = last_boundary(text, pos), next_boundary(text, pos + size)
                 rest = text[end:]
-                if rest.lstrip(" \t").startswith("\n"):  # the line ends here: take its newline
-                    end += len(rest) - len(rest.lstrip(" \t")) + 1
+                line_end = re.match(r"[ \t]*\r?\n", rest)
+                if line_end:  # the line ends here: take its newline along
+                    end += line_end.end()
                 if spans and start <= spans[-1][1]:
                     spans[-1][1] = max(spans[-1][1], end)
                 else:
