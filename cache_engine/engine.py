@@ -34,7 +34,7 @@ from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
 from ragkv.cache_engine.request import Request
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import RagkvError
 
@@ -122,10 +122,13 @@ class Engine:
         return_logits: bool = False,
         chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
         reuse: BlendConfig | None = None,
+        **sampling: Any,
     ) -> Output | list[Output]:
         """Generate for one prompt (returns an :class:`Output`) or many (a list, in order).
 
         Prompts are token-id lists or strings (tokenized with the model's tokenizer).
+        ``params`` is a :class:`SamplingParams` (default: greedy, 256 new tokens); keyword
+        settings (``max_tokens=64``, ``temperature=0.7``, ...) change it, for every prompt.
 
         ``chunk_spans``: the ``(start, end)`` token offsets of the prompt's retrieved chunks
         (``[(s.start, s.end) for s in plan.spans("chunk")]``; for many prompts, one list or
@@ -135,6 +138,8 @@ class Engine:
         approximate (``Output.approximate``, ``usage.reused_nonprefix_tokens``).
         """
         single, batch, params_list = pair_prompts(prompts, params)
+        if sampling:
+            params_list = [resolve_params(p, sampling) for p in params_list]
         spans = per_prompt_spans(chunk_spans, single, len(batch))
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         ids = self._start(batch, params_list, cache_salt, return_logits, events.put, spans, reuse)
@@ -159,14 +164,15 @@ class Engine:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        **sampling: Any,
     ) -> Iterator[StreamDelta]:
         """Yield text deltas as tokens are generated; the last delta carries the ``output``.
 
-        ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
+        ``params``, keyword settings, ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         [request_id] = self._start(
             [prompt],
-            [params or SamplingParams()],
+            [resolve_params(params, sampling)],
             cache_salt,
             False,
             events.put,
@@ -191,10 +197,11 @@ class Engine:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        **sampling: Any,
     ) -> Output:
         """Asyncio form of :meth:`generate` for one prompt; cancellation aborts the request."""
         async for delta in self.astream(
-            prompt, params, cache_salt=cache_salt, chunk_spans=chunk_spans, reuse=reuse
+            prompt, params, cache_salt=cache_salt, chunk_spans=chunk_spans, reuse=reuse, **sampling
         ):
             if delta.output is not None:
                 return delta.output
@@ -208,6 +215,7 @@ class Engine:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
         loop = asyncio.get_running_loop()
@@ -217,7 +225,13 @@ class Engine:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         [request_id] = self._start(
-            [prompt], [params or SamplingParams()], cache_salt, False, sink, [chunk_spans], reuse
+            [prompt],
+            [resolve_params(params, sampling)],
+            cache_salt,
+            False,
+            sink,
+            [chunk_spans],
+            reuse,
         )
         done = False
         try:

@@ -21,6 +21,9 @@ Prompt = str | Sequence[int]
 class EngineLike(Protocol):
     """What an engine offers its callers.
 
+    Every generating method takes a :class:`SamplingParams` and keyword settings that change
+    it (``generate(ids, max_tokens=64, temperature=0.7)``; default 256 new tokens, greedy).
+
     ``tokenizer`` is the tokenizer whose ids the engine expects (the assembler tokenizes with
     it); ``block_size`` the KV block size stable segments are aligned to; ``model_name`` the
     model id reported in responses.
@@ -41,18 +44,34 @@ class EngineLike(Protocol):
         params: Any = None,
         *,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Output | list[Output]: ...
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Iterator[StreamDelta]: ...
 
     async def agenerate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Output: ...
 
     def astream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[StreamDelta]: ...
 
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:

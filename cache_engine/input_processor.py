@@ -8,7 +8,7 @@ so a bad value fails its caller and never a shared step (Invariant 9).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import make_generator
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
 
@@ -151,8 +151,8 @@ def pair_prompts(
     batch = [prompts] if single else list(prompts)
     if not batch:
         raise InvalidInputError("generate() needs at least one prompt", param="prompt")
-    if params is None or isinstance(params, SamplingParams):
-        return single, batch, [params or SamplingParams()] * len(batch)
+    if params is None or isinstance(params, SamplingParams | Mapping | str):
+        return single, batch, [resolve_params(params, {})] * len(batch)  # a dict: a clear error
     params_list = list(params)
     if len(params_list) != len(batch):
         raise InvalidInputError(

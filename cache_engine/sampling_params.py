@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ragkv.errors import InvalidInputError
@@ -27,13 +27,19 @@ MAX_STOP_CHARS = 256
 OPENAI_SEED_MIN, OPENAI_SEED_MAX = -(2**63), 2**63 - 1
 # OpenAI's default temperature; ragkv's own default (greedy) is SamplingParams().temperature.
 OPENAI_TEMPERATURE = 1.0
+# The one default answer length: SamplingParams, Engine.generate, Pipeline.answer, the
+# LangChain and LlamaIndex models, and `ragkv serve` (--default-max-tokens) all use it.
+# A RAG answer is a paragraph; 256 tokens is one, and a cap a forgotten max_tokens cannot
+# turn into a ten-minute generation.
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How one request decodes.
 
-    The default is greedy decoding (``temperature=0``): a RAG answer should be reproducible, and
+    ``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS`` (256), the answer length every ragkv
+    entry point shares. The default is greedy decoding (``temperature=0``): a RAG answer should be reproducible, and
     greedy output is what the engine's exactness tests compare against Hugging Face. Set
     ``temperature > 0`` to sample; ``top_k``, ``top_p`` and ``min_p`` then restrict the
     candidates (top-k first, then top-p and min-p on the top-k renormalised distribution), and
@@ -48,7 +54,7 @@ class SamplingParams:
     from the raw logits, before temperature and filtering.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -77,7 +83,7 @@ class SamplingParams:
         cls,
         body: Mapping[str, Any],
         *,
-        default_max_tokens: int = 16,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
         default_temperature: float = OPENAI_TEMPERATURE,
         max_stop_strings: int = MAX_STOP_STRINGS,
     ) -> SamplingParams:
@@ -91,6 +97,20 @@ class SamplingParams:
             body, default_temperature=default_temperature, max_stop_strings=max_stop_strings
         )
         return cls(max_tokens=max_tokens, **fields)
+
+    def with_overrides(self, **overrides: Any) -> SamplingParams:
+        """A copy with the given fields changed (``None`` values ignored), validated.
+
+        What ``generate(..., max_tokens=64, temperature=0.7)`` style keywords build on."""
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise InvalidInputError(
+                f"unknown sampling setting(s) {unknown}; SamplingParams takes "
+                f"{', '.join(f.name for f in fields(self))}",
+                param=unknown[0],
+            )
+        return replace(self, **changes) if changes else self
 
     def to_openai(self) -> dict[str, Any]:
         """The request-body fields for these settings. The vLLM-style extensions appear only
@@ -188,6 +208,21 @@ class SamplingParams:
                     f"stop_token_ids holds {t}, outside the vocabulary; "
                     f"stop token ids must be in {bound}.",
                 )
+
+
+def resolve_params(params: Any, overrides: Mapping[str, Any]) -> SamplingParams:
+    """``params`` (default ``SamplingParams()``) with keyword settings applied: how every
+    entry point reads ``generate(prompt, params, max_tokens=64, temperature=0.7)``."""
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        hint = " (write SamplingParams(**params))" if isinstance(params, Mapping) else ""
+        raise InvalidInputError(
+            f"params must be a SamplingParams{hint}, got {type(params).__name__}; or pass the "
+            "settings as keywords, e.g. max_tokens=64, temperature=0.7",
+            param="params",
+        )
+    return params.with_overrides(**overrides) if overrides else params
 
 
 # -- the OpenAI mapping -------------------------------------------------------------------

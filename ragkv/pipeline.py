@@ -21,9 +21,9 @@ from ragkv.assembler.structured import SystemLike
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.outputs import Output, Usage
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
-from ragkv.errors import ConfigError
+from ragkv.errors import ConfigError, InvalidInputError
 
 ChunkLike = str | bytes | Chunk
 Turn = Mapping[str, str]
@@ -139,7 +139,7 @@ class Pipeline:
         self.registry = self.assembler.registry
         self.dedup_enabled = dedup
         self.max_prompt_tokens = max_prompt_tokens
-        self.default_params = default_params or SamplingParams(max_tokens=256)
+        self.default_params = resolve_params(default_params, {})
         self.isolate_by_salt = isolate_by_salt
         self.max_namespaces = max_namespaces
         self._namespaces: OrderedDict[str, Assembler] = OrderedDict()
@@ -176,7 +176,7 @@ class Pipeline:
         passes its tenant here, so a client cannot multiply namespaces by varying salts.
         """
         t0 = time.perf_counter()
-        chunk_list = list(chunks)
+        chunk_list = _chunk_list(chunks)
         if self.dedup_enabled:
             result = self.deduplicator.dedupe(chunk_list)
         else:
@@ -204,14 +204,20 @@ class Pipeline:
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Answer:
-        """Answer ``question`` from the retrieved ``chunks``."""
+        """Answer ``question`` from the retrieved ``chunks`` (a list: each item one chunk).
+
+        ``params`` (default: the pipeline's ``default_params``, greedy, 256 new tokens) and
+        keyword settings that change it: ``answer(q, chunks, max_tokens=64, temperature=0.7)``.
+        """
+        params = self._params(params, sampling)
         prepared = self.prepare(
             question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         output = self.engine.generate(
             prepared.plan.token_ids,
-            params or self.default_params,
+            params,
             cache_salt=cache_salt,
             **self._reuse_kwargs(prepared.plan),
         )
@@ -226,14 +232,16 @@ class Pipeline:
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Iterator[AnswerDelta]:
         """Like :meth:`answer`, yielding text as it is generated; the last delta has the answer."""
+        params = self._params(params, sampling)
         prepared = self.prepare(
             question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         for delta in self.engine.stream(
             prepared.plan.token_ids,
-            params or self.default_params,
+            params,
             cache_salt=cache_salt,
             **self._reuse_kwargs(prepared.plan),
         ):
@@ -248,15 +256,17 @@ class Pipeline:
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Answer:
         """Asyncio form of :meth:`answer`."""
+        params = self._params(params, sampling)
         # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
         prepared = await asyncio.to_thread(
             self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         output = await self.engine.agenerate(
             prepared.plan.token_ids,
-            params or self.default_params,
+            params,
             cache_salt=cache_salt,
             **self._reuse_kwargs(prepared.plan),
         )
@@ -271,18 +281,24 @@ class Pipeline:
         history: Sequence[Turn] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[AnswerDelta]:
         """Asyncio form of :meth:`stream`."""
+        params = self._params(params, sampling)
         prepared = await asyncio.to_thread(
             self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
         )
         async for delta in self.engine.astream(
             prepared.plan.token_ids,
-            params or self.default_params,
+            params,
             cache_salt=cache_salt,
             **self._reuse_kwargs(prepared.plan),
         ):
             yield _answer_delta(prepared, delta)
+
+    def _params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+        """The request's settings, checked in the caller's thread before anything is queued."""
+        return resolve_params(self.default_params if params is None else params, sampling)
 
     def _reuse_kwargs(self, plan: PromptPlan) -> dict[str, Any]:
         """The engine's chunk reuse arguments for ``plan`` (none unless the pipeline opted in)."""
@@ -335,6 +351,25 @@ def _answer(prepared: Prepared, output: Output) -> Answer:
 def _answer_delta(prepared: Prepared, delta: Any) -> AnswerDelta:
     answer = _answer(prepared, delta.output) if delta.output is not None else None
     return AnswerDelta(delta.text, delta.finish_reason, answer)
+
+
+def _chunk_list(chunks: Any) -> list[ChunkLike]:
+    """``chunks`` as a list, refusing what would silently mean something else: a bare string
+    iterates as one-character chunks."""
+    if isinstance(chunks, str | bytes):
+        raise InvalidInputError(
+            f"chunks must be a list of retrieved chunks, got one {type(chunks).__name__}; "
+            "wrap it: [text]",
+            param="chunks",
+        )
+    try:
+        return list(chunks)
+    except TypeError:
+        raise InvalidInputError(
+            f"chunks must be a list of retrieved chunks (str, bytes, Chunk, or a framework's "
+            f"document), got {type(chunks).__name__}; pass [] for no context",
+            param="chunks",
+        ) from None
 
 
 def _identity_result(chunks: list[ChunkLike]) -> DedupResult:

@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator
 from ragkv.cache_engine import Output, SamplingParams
 from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
 from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import InvalidInputError
 from ragkv.integrations._engine import (
     astream_until,
@@ -53,7 +54,7 @@ class ChatRagKV(BaseChatModel):
     device: str = "auto"
     dtype: str | None = None
     temperature: float | None = 0.0
-    max_tokens: int | None = 256
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None

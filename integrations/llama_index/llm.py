@@ -24,6 +24,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from ragkv.cache_engine import Output, SamplingParams
 from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations._engine import (
     astream_until,
     chat_prompt_ids,
@@ -51,7 +52,7 @@ class RagKVLLM(CustomLLM):
     device: str = "auto"
     dtype: str | None = None
     temperature: float = 0.0
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None

@@ -30,7 +30,7 @@ import httpx
 
 from ragkv.cache_engine.config import DEFAULTS
 from ragkv.cache_engine.outputs import Output, StreamDelta
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import InvalidInputError, RemoteEngineError
 from ragkv.integrations.openai.client_reader import (
     StreamState,
@@ -134,8 +134,11 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Output | list[Output]:
-        """One prompt → an :class:`Output`; a list of prompts → a list, sent one by one."""
+        """One prompt → an :class:`Output`; a list of prompts → a list, sent one by one.
+        Keyword settings (``max_tokens=64``, ...) change ``params`` as in ``Engine.generate``."""
+        params = resolve_params(params, sampling)
         if _is_single(prompts):
             return self._generate_one(prompts, params, cache_salt)
         return [self._generate_one(p, params, cache_salt) for p in prompts]
@@ -146,12 +149,13 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Iterator[StreamDelta]:
         """Text deltas as the server streams them; the last one carries ``finish_reason`` and
         the ``output``. Closing the iterator closes the connection, which a server like
         ``ragkv serve`` or vLLM treats as an abort."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, params, cache_salt, stream=True)
+        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
         response = self._send(payload, stream=True)
         state = StreamState(ids, start)
         try:
@@ -171,10 +175,11 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Output:
         """Asyncio form of :meth:`generate` for one prompt."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, params, cache_salt, stream=False)
+        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=False)
         response = await self._asend(payload, stream=False)
         return output_of(response.json(), ids, start)
 
@@ -184,10 +189,11 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Asyncio form of :meth:`stream`; cancelling it closes the connection."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, params, cache_salt, stream=True)
+        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
         response = await self._asend(payload, stream=True)
         state = StreamState(ids, start)
         try:

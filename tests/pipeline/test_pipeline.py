@@ -171,3 +171,42 @@ def test_reuse_settings_are_checked(engine):
     with pytest.raises(ConfigError) as err:
         ragkv.Pipeline(Remote(), reuse="blend")
     assert err.value.param == "reuse"
+
+
+def test_sampling_settings_as_keywords_everywhere(engine, passages):
+    """``answer(q, chunks, max_tokens=3)`` and ``generate(ids, max_tokens=3)``: the first
+    thing people write works, and means what SamplingParams(max_tokens=3) means."""
+    pipe = ragkv.Pipeline(engine)
+    answer = pipe.answer("Q?", passages[:2], max_tokens=3, ignore_eos=True, temperature=0)
+    assert answer.usage.completion_tokens == 3
+    assert pipe.default_params.max_tokens == 256  # one default answer length
+    deltas = list(pipe.stream("Q?", passages[:2], params=PARAMS, max_tokens=2))
+    assert deltas[-1].answer.usage.completion_tokens == 2  # keywords change params
+    direct = engine.generate(answer.plan.token_ids, max_tokens=3, ignore_eos=True)
+    assert direct.token_ids == answer.output.token_ids
+    both = engine.generate([[5, 6, 7], [8, 9]], max_tokens=2, ignore_eos=True)
+    assert [len(o.token_ids) for o in both] == [2, 2]
+    again = asyncio.run(pipe.aanswer("Q?", passages[:2], max_tokens=3, ignore_eos=True))
+    assert again.output.token_ids == answer.output.token_ids
+
+
+@pytest.mark.parametrize(
+    ("call", "param", "match"),
+    [
+        (lambda p, c: p.answer("Q?", c, max_tokenz=3), "max_tokenz", "unknown sampling"),
+        (lambda p, c: p.answer("Q?", c, max_tokens=0), "max_tokens", "at least 1"),
+        (lambda p, c: p.answer("Q?", c, params={"max_tokens": 3}), "params", r"\*\*params"),
+        (lambda p, c: p.engine.generate([1, 2], {"max_tokens": 3}), "params", r"\*\*params"),
+        (lambda p, c: p.answer("Q?", "one passage as a string"), "chunks", r"wrap it: \[text\]"),
+        (lambda p, c: p.answer("Q?", None), "chunks", "pass \\[\\] for no context"),
+    ],
+    ids=["unknown-setting", "bad-value", "params-dict", "engine-params-dict", "str", "none"],
+)
+def test_wrong_inputs_fail_before_anything_runs_and_name_their_field(
+    engine, passages, call, param, match
+):
+    before = engine.stats().requests_finished
+    with pytest.raises(ragkv.errors.InvalidInputError, match=match) as info:
+        call(ragkv.Pipeline(engine), passages[:2])
+    assert info.value.param == param
+    assert engine.stats().requests_finished == before

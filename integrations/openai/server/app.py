@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised through server.cli
 
 from ragkv.assembler.template import render_chat
 from ragkv.cache_engine import Engine
-from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from ragkv.errors import (
     ConfigError,
     InvalidInputError,
@@ -54,6 +54,7 @@ from ragkv.integrations.openai import protocol as proto
 from ragkv.integrations.openai import schemas
 from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
 from ragkv.integrations.openai.server import auth
+from ragkv.integrations.openai.server.access_log import AccessLog
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
 from ragkv.integrations.openai.server.cli import (
     ANONYMOUS_TENANT,
@@ -89,6 +90,7 @@ def create_app(
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     model_name: str | None = None,
     reuse: str | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -103,7 +105,10 @@ def create_app(
     the engine and closes it; the app never does. ``reuse="blend"`` (in-process engine only)
     lets chat requests opt into position-independent chunk reuse with ``"ragkv": {"chunks":
     [...], "reuse": "blend"}``; their answers are approximate and their usage says how many
-    prompt tokens were reused that way (``reused_nonprefix_tokens``).
+    prompt tokens were reused that way (``reused_nonprefix_tokens``). A chat request that
+    sets no ``max_tokens`` generates at most ``default_max_tokens`` (within the context); it
+    may ask for more. Every request logs one line to ``ragkv.serve.access`` (see
+    :mod:`~ragkv.integrations.openai.server.access_log`).
     """
     from ragkv.pipeline import Pipeline
 
@@ -119,6 +124,10 @@ def create_app(
         pipeline = Pipeline(engine, isolate_by_salt=True)
     if max_body_bytes < 1 or request_timeout_s <= 0:
         raise InvalidInputError("max_body_bytes and request_timeout_s must be positive")
+    if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int):
+        raise ConfigError(f"default_max_tokens must be an int, got {default_max_tokens!r}")
+    if default_max_tokens < 1:
+        raise ConfigError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
     limits = limits or RequestLimits()
     # What only an in-process engine can tell (context, vocabulary, health, stats); a
     # pipeline over a RemoteEngine is served without it.
@@ -139,6 +148,7 @@ def create_app(
         request_timeout_s=request_timeout_s,
         metrics=ServerMetrics(local),
         reuse=reuse,
+        default_max_tokens=default_max_tokens,
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served
@@ -151,6 +161,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         metrics=served.metrics,
     )
+    app.add_middleware(AccessLog)  # outermost: refused requests log too
     return app
 
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ragkv.cache_engine.config import DEFAULTS, DTYPES, KV_TIER_WRITE_POLICIES
-from ragkv.cache_engine.sampling_params import MAX_STOP_STRINGS
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS
 from ragkv.errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="default: the model context"
     )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="new tokens a chat request that sets no max_tokens may generate (default "
+        f"{DEFAULT_MAX_TOKENS}; a request may ask for more, up to the context)",
+    )
+    parser.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="do not print one line per request (route, status, tenant, tokens, seconds)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -170,10 +183,24 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             model_name=args.served_model_name,
             reuse=args.reuse,
+            default_max_tokens=args.default_max_tokens,
         )
+        if args.access_log:
+            show_access_log()
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     return 0
+
+
+def show_access_log() -> None:
+    """Print ``ragkv.serve.access`` lines to stderr (the CLI's choice; the library configures
+    no logging)."""
+    access = logging.getLogger("ragkv.serve.access")
+    if not access.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+    access.setLevel(logging.INFO)
 
 
 def add_tier_flags(parser: argparse.ArgumentParser) -> None:

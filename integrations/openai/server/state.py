@@ -7,6 +7,7 @@ from typing import Any
 
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations.openai.protocol import RequestLimits
 from ragkv.integrations.openai.server.metrics import ServerMetrics
 
@@ -24,3 +25,4 @@ class Served:
     request_timeout_s: float
     metrics: ServerMetrics
     reuse: str | None = None  # "blend": requests may opt into chunk reuse (--reuse blend)
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # a chat request without max_tokens

@@ -46,11 +46,11 @@ async def generate(
 ) -> Response:
     engine, local = served.engine, served.local
     max_tokens = parsed.max_tokens
-    if max_tokens is None:  # chat default: up to the context (as vLLM does) or the KV pool
-        limit = len(token_ids) + 16
+    if max_tokens is None:  # chat default: the server's, within the context and the KV pool
+        max_tokens = served.default_max_tokens
         if local is not None:
-            limit = min(local.max_model_len, local.kv_cache_tokens)
-        max_tokens = max(1, limit - len(token_ids))
+            room = min(local.max_model_len, local.kv_cache_tokens) - len(token_ids)
+            max_tokens = max(1, min(max_tokens, room))
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s
     request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
@@ -65,7 +65,10 @@ async def generate(
         await stream.aclose()
         raise
     if parsed.stream:
-        events = _sse(served, parsed, request_id, token_ids, stream, first, deadline, chat=chat)
+        events = _sse(
+            served, parsed, request_id, token_ids, stream, first, deadline, chat=chat,
+            state=request.state,
+        )  # fmt: skip
 
         async def cleanup() -> None:
             served.metrics.in_flight.dec()
@@ -78,6 +81,7 @@ async def generate(
     finally:
         served.metrics.in_flight.dec()
         await stream.aclose()
+    request.state.ragkv_usage = output.usage  # for the access log
     build = responses.chat_body if chat else responses.completion_body
     body = build(request_id, served.model_name, output, return_token_ids=parsed.return_token_ids)
     if extra is not None:
@@ -98,6 +102,7 @@ async def _sse(
     deadline: float,
     *,
     chat: bool,
+    state: Any,
 ) -> AsyncIterator[bytes]:
     """SSE events of one streamed request. Starlette cancels this generator when the client
     disconnects; closing ``stream`` then aborts the request and frees its blocks."""
@@ -119,6 +124,7 @@ async def _sse(
                         chunk["choices"][0]["prompt_token_ids"] = prompt_ids
                     yield _event(chunk)
                 if delta.output is not None:
+                    state.ragkv_usage = delta.output.usage  # for the access log
                     break
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(stream)

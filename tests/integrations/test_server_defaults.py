@@ -1,0 +1,75 @@
+"""A first request without max_tokens is bounded, and every request leaves one log line."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from ragkv.integrations.openai.server.access_log import AccessLog  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Tell me everything about caching."}]
+
+
+@pytest.fixture(scope="module")
+def capped(start_server, api_key):
+    url = start_server(default_max_tokens=5)
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as client:
+        yield client
+
+
+def test_chat_without_max_tokens_stops_at_the_server_default(capped):
+    # ignore_eos: the tiny random model would otherwise stop whenever it samples EOS.
+    body = capped.post("/v1/chat/completions", json={"messages": MESSAGES, "ignore_eos": True})
+    assert body.status_code == 200, body.text
+    assert body.json()["usage"]["completion_tokens"] == 5
+    assert body.json()["choices"][0]["finish_reason"] == "length"
+    more = {"messages": MESSAGES, "ignore_eos": True, "max_tokens": 9}  # a request may ask more
+    assert capped.post("/v1/chat/completions", json=more).json()["usage"]["completion_tokens"] == 9
+
+
+def test_the_default_is_the_library_default(serve_engine):
+    from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+    from ragkv.integrations.openai.server.app import create_app
+
+    assert SamplingParams().max_tokens == DEFAULT_MAX_TOKENS == 256
+    assert create_app(serve_engine, api_key="k").state.ragkv.default_max_tokens == 256
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        create_app(serve_engine, api_key="k", default_max_tokens=0)
+
+
+def test_every_request_logs_one_access_line(capped, caplog):
+    with caplog.at_level(logging.INFO, logger="ragkv.serve.access"):
+        ok = capped.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+        )
+        streamed = capped.post(
+            "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 3, "stream": True, "ignore_eos": True},
+        )
+        refused = httpx.get(str(capped.base_url) + "/v1/models")  # no key: 401
+        capped.get("/health")  # probes log at DEBUG only
+    assert (ok.status_code, streamed.status_code, refused.status_code) == (200, 200, 401)
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragkv.serve.access"]
+    assert len(lines) == 3, lines
+    usage = ok.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert lines[0].startswith("POST /v1/chat/completions 200 tenant=default ")
+    assert f"prompt={usage['prompt_tokens']} cached={cached} generated=2 " in lines[0]
+    assert "generated=3 " in lines[1]  # a stream logs what it sent, once it ended
+    assert lines[2].startswith("GET /v1/models 401 tenant=- ")
+    assert lines[0].endswith("s") and float(lines[0].rsplit(" ", 1)[1][:-1]) >= 0
+
+
+async def test_a_failing_app_logs_status_500(caplog):
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.INFO, logger="ragkv.serve.access"), pytest.raises(RuntimeError):
+        await AccessLog(broken)({"type": "http", "method": "GET", "path": "/x"}, None, None)
+    assert caplog.records[-1].getMessage().startswith("GET /x 500 tenant=- ")
