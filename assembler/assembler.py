@@ -67,6 +67,7 @@ Residency = Callable[[Sequence[int]], int]
 
 Turn = Mapping[str, str] | tuple[str, str]
 _MAX_DECODED = 256
+HISTORY_ROLES = frozenset({"user", "assistant"})
 _MAX_BOUNDARY_PRICE = 64  # tokens: about one long sentence
 Group = list[Segment]  # segments concatenated directly (the parts of one slot)
 
@@ -339,6 +340,12 @@ class Assembler:
                 raise InvalidInputError(
                     f"history[{i}] must be {{'role': str, 'content': str}} or (role, content).",
                     param="history",
+                )
+            if role not in HISTORY_ROLES:  # a role is template text: never free-form
+                raise InvalidInputError(
+                    f"history[{i}] has role {role[:40]!r}; history turns are 'user' or "
+                    "'assistant' (the system prompt goes in system=...)",
+                    param=f"history[{i}].role",
                 )
             segment = self._volatile(content, SegmentKind.HISTORY, i)
             segment.role = role

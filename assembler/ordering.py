@@ -32,7 +32,9 @@ _UNRANKED = 1 << 62
 def check_order(order: str) -> str:
     """Validate an ``order=`` name."""
     if order not in ORDERS:
-        raise ConfigError(f"Unknown order {order!r}; choose one of {', '.join(ORDERS)}.")
+        raise ConfigError(
+            f"Unknown order {order!r}; choose one of {', '.join(ORDERS)}.", param="order"
+        )
     return order
 
 

@@ -24,7 +24,12 @@ from ragkv.cache_engine.attention import ATTN_IMPLEMENTATION, StepContext, regis
 from ragkv.cache_engine.chunk_reuse.placement import place_chunks
 from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
 from ragkv.cache_engine.kv_cache_manager import slot_mapping
-from ragkv.cache_engine.model_support import check_supported, model_identity, read_config
+from ragkv.cache_engine.model_support import (
+    check_files,
+    check_supported,
+    model_identity,
+    read_config,
+)
 from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
 from ragkv.errors import ConfigError, InvalidInputError
@@ -134,6 +139,7 @@ class ModelRunner:
             path = Path(config.model).expanduser()
         model_config = read_config(path)
         check_supported(model_config)
+        check_files(path)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         context = int(model_config.get("max_position_embeddings") or 2048)

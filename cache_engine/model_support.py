@@ -20,13 +20,42 @@ def read_config(path: Path) -> dict[str, Any]:
     """The checkpoint's ``config.json`` as a dict; a clear error if the directory is not one."""
     config_file = path / "config.json"
     if not path.is_dir():
-        raise ModelNotFoundError(f"model directory {path} does not exist")
+        hint = ""
+        if len(path.parts) == 2 and not str(path).startswith((".", "/", "~")):
+            hint = (
+                f"; {str(path)!r} looks like a Hugging Face hub id, but ragkv loads only local "
+                f"directories (nothing is downloaded): run `hf download {path} --local-dir "
+                "DIR` where there is network, then pass DIR"
+            )
+        raise ModelNotFoundError(f"model directory {path} does not exist{hint}")
     if not config_file.is_file():
         raise ModelNotFoundError(
             f"{path} has no config.json; pass a local Hugging Face checkpoint directory "
             "(config.json, *.safetensors, tokenizer files)"
         )
     return json.loads(config_file.read_text())
+
+
+def check_files(path: Path) -> None:
+    """A clear error for a checkpoint directory without weights or tokenizer files, before
+    transformers fails on it with an ``OSError`` about the hub."""
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    tokenizer = [
+        p for p in ("tokenizer.json", "tokenizer.model", "vocab.json") if (path / p).exists()
+    ]
+    missing = [
+        what
+        for what, found in (
+            ("weights (*.safetensors)", weights),
+            ("tokenizer files (tokenizer.json)", tokenizer),
+        )
+        if not found
+    ]
+    if missing:
+        raise ModelNotFoundError(
+            f"{path} has a config.json but no {' and no '.join(missing)}; a checkpoint "
+            "directory needs config.json, the weights and the tokenizer files"
+        )
 
 
 def check_supported(config: dict[str, Any]) -> None:

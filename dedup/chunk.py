@@ -47,7 +47,7 @@ class Chunk:
             elif isinstance(content, str | bytes):  # subclasses: store the plain value
                 self.content = str(content) if isinstance(content, str) else bytes(content)
             else:
-                raise InvalidChunkError(_bad_type_message(content))
+                raise InvalidChunkError(_bad_type_message(content), param="chunks")
         if self.source_id is not None and not isinstance(self.source_id, str):
             raise InvalidInputError(
                 f"Chunk.source_id must be str or None, got {type(self.source_id).__name__}"
@@ -97,7 +97,7 @@ class Chunk:
             return obj
         if isinstance(obj, str | bytes | bytearray | memoryview):
             return cls(obj)  # type: ignore[arg-type]
-        raise InvalidChunkError(_bad_type_message(obj))
+        raise InvalidChunkError(_bad_type_message(obj), param="chunks")
 
 
 def _check_score(score: object) -> float:

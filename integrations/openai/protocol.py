@@ -284,9 +284,19 @@ def _content(content: Any, param: str) -> str:
     raise APIError(400, f"{param}.content must be a string or a list of text parts", param=param)
 
 
+RAG_KEYS = ("chunks", "system", "reuse", "strategy", "k")
+
+
 def _rag(value: Any, limits: RequestLimits) -> RagContext:
     if not isinstance(value, dict):
         raise APIError(400, "ragkv must be an object {chunks, system}", param="ragkv")
+    unknown = sorted(set(value) - set(RAG_KEYS))
+    if unknown:  # a typo ("sytem") would otherwise drop what it meant without a word
+        raise APIError(
+            400,
+            f"ragkv.{unknown[0]} is not a ragkv field; ragkv takes {', '.join(RAG_KEYS)}",
+            param=f"ragkv.{unknown[0]}",
+        )
     chunks = value.get("chunks", [])
     if not isinstance(chunks, list):
         raise APIError(400, "ragkv.chunks must be a list", param="ragkv.chunks")

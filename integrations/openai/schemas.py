@@ -140,6 +140,7 @@ def request_schemas(
                     "strategy": {"type": ["string", "null"], "enum": ["none", "first-k", None]},
                     "k": {"type": ["integer", "null"], "minimum": 0, "maximum": 1024},
                 },
+                "additionalProperties": False,
             },
             "logprobs": {"type": ["boolean", "null"], "enum": [False, None]},
         },

@@ -70,6 +70,17 @@ def test_missing_directory_and_missing_config_are_clear_errors(tmp_path):
         Engine.from_pretrained(tmp_path, device="cpu")
 
 
+def test_a_hub_id_or_a_config_only_directory_says_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="looks like a Hugging Face hub id.*hf download"):
+        Engine.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu")
+    tiny_config("llama").save_pretrained(tmp_path / "config-only")
+    with pytest.raises(
+        ModelNotFoundError, match=r"no weights \(\*\.safetensors\) and no tokenizer"
+    ):
+        Engine.from_pretrained(tmp_path / "config-only", device="cpu")
+
+
 def test_engine_from_a_config_matches_from_pretrained_keywords(llama_dir, engine):
     config = EngineConfig(model=llama_dir, device="cpu", kv_cache_tokens=2048, hash_algo="blake3")
     params = SamplingParams(max_tokens=5, ignore_eos=True)

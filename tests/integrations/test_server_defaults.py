@@ -73,3 +73,11 @@ async def test_a_failing_app_logs_status_500(caplog):
     with caplog.at_level(logging.INFO, logger="ragkv.serve.access"), pytest.raises(RuntimeError):
         await AccessLog(broken)({"type": "http", "method": "GET", "path": "/x"}, None, None)
     assert caplog.records[-1].getMessage().startswith("GET /x 500 tenant=- ")
+
+
+def test_a_typo_in_the_ragkv_object_is_a_400_naming_it(capped):
+    body = {"messages": MESSAGES, "max_tokens": 1, "ragkv": {"chunks": ["a"], "sytem": "x"}}
+    response = capped.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "ragkv.sytem" and "chunks, system" in error["message"]

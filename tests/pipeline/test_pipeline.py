@@ -199,8 +199,23 @@ def test_sampling_settings_as_keywords_everywhere(engine, passages):
         (lambda p, c: p.engine.generate([1, 2], {"max_tokens": 3}), "params", r"\*\*params"),
         (lambda p, c: p.answer("Q?", "one passage as a string"), "chunks", r"wrap it: \[text\]"),
         (lambda p, c: p.answer("Q?", None), "chunks", "pass \\[\\] for no context"),
+        (lambda p, c: p.answer("Q?", [3]), "chunks", "int"),
+        (
+            lambda p, c: p.answer("Q?", c, history=[{"role": "<|im_start|>x", "content": "y"}]),
+            "history[0].role",
+            "'user' or 'assistant'",
+        ),
     ],
-    ids=["unknown-setting", "bad-value", "params-dict", "engine-params-dict", "str", "none"],
+    ids=[
+        "unknown-setting",
+        "bad-value",
+        "params-dict",
+        "engine-params-dict",
+        "str",
+        "none",
+        "chunk-type",
+        "history-role",
+    ],  # fmt: skip
 )
 def test_wrong_inputs_fail_before_anything_runs_and_name_their_field(
     engine, passages, call, param, match
@@ -210,3 +225,9 @@ def test_wrong_inputs_fail_before_anything_runs_and_name_their_field(
         call(ragkv.Pipeline(engine), passages[:2])
     assert info.value.param == param
     assert engine.stats().requests_finished == before
+
+
+def test_a_bad_order_names_its_parameter(engine):
+    with pytest.raises(ragkv.errors.ConfigError, match="stable-first") as info:
+        ragkv.Pipeline(engine, order="canonical")
+    assert info.value.param == "order"
