@@ -62,8 +62,9 @@ class InputProcessor:
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
-                "and at least one token must be generated. Shorten the prompt (e.g. "
-                "Assembler(max_prompt_tokens=...)) or use a model with a longer context",
+                "and at least one token must be generated. Shorten the prompt (ragkv.Pipeline "
+                "fits it by default, dropping the least relevant chunks; or set "
+                "Pipeline(..., max_prompt_tokens=N)) or use a model with a longer context",
                 param="prompt",
             )
         spans, reuse = check_reuse(chunk_spans, reuse, len(token_ids))

@@ -56,6 +56,11 @@ class Answer:
         return self.output.finish_reason
 
     @property
+    def dropped(self) -> list[Any]:
+        """Chunks left out to fit the prompt budget (``DroppedChunk``: chunk, rank, tokens)."""
+        return self.plan.dropped
+
+    @property
     def prompt_text(self) -> str:
         """The prompt exactly as the model read it (chat template, reordered parts and all)."""
         return self.plan.text
@@ -85,6 +90,10 @@ class Pipeline:
     system-prompt heads, prefix tree), so one tenant's traffic never reorders, or reveals,
     another's prompts; at most ``max_namespaces`` are remembered (least recently used
     forgotten). Requests without either share the base assembler.
+
+    Prompts fit by default: ``max_prompt_tokens=None`` means what the engine's context (and
+    KV pool) leaves for the request's ``max_tokens``; over it, the least relevant chunks are
+    dropped whole, before the prompt exists, and reported in ``answer.dropped``.
 
     ``learn_system=False`` keeps every system prompt as written: the assembler moves no
     learned part of it (parts the app marks with ``Volatile`` or ``SystemPrompt`` still
@@ -168,6 +177,7 @@ class Pipeline:
         history: Sequence[Turn] | None = None,
         cache_salt: str | None = None,
         namespace: str | None = None,
+        params: SamplingParams | None = None,
     ) -> Prepared:
         """Dedup and assemble without generating (what :meth:`answer` sends to the engine).
 
@@ -190,7 +200,7 @@ class Pipeline:
             chunks=result.chunks,
             question=question,
             history=history,
-            max_prompt_tokens=self.max_prompt_tokens,
+            max_prompt_tokens=self.prompt_budget(params or self.default_params),
             residency=residency,
         )
         return Prepared(result, plan, t1 - t0, time.perf_counter() - t1)
@@ -213,7 +223,7 @@ class Pipeline:
         """
         params = self._params(params, sampling)
         prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt
+            question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
         )
         output = self.engine.generate(
             prepared.plan.token_ids,
@@ -237,7 +247,7 @@ class Pipeline:
         """Like :meth:`answer`, yielding text as it is generated; the last delta has the answer."""
         params = self._params(params, sampling)
         prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt
+            question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
         )
         for delta in self.engine.stream(
             prepared.plan.token_ids,
@@ -262,7 +272,13 @@ class Pipeline:
         params = self._params(params, sampling)
         # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
         prepared = await asyncio.to_thread(
-            self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
+            self.prepare,
+            question,
+            chunks,
+            system=system,
+            history=history,
+            cache_salt=cache_salt,
+            params=params,
         )
         output = await self.engine.agenerate(
             prepared.plan.token_ids,
@@ -286,7 +302,13 @@ class Pipeline:
         """Asyncio form of :meth:`stream`."""
         params = self._params(params, sampling)
         prepared = await asyncio.to_thread(
-            self.prepare, question, chunks, system=system, history=history, cache_salt=cache_salt
+            self.prepare,
+            question,
+            chunks,
+            system=system,
+            history=history,
+            cache_salt=cache_salt,
+            params=params,
         )
         async for delta in self.engine.astream(
             prepared.plan.token_ids,
@@ -295,6 +317,21 @@ class Pipeline:
             **self._reuse_kwargs(prepared.plan),
         ):
             yield _answer_delta(prepared, delta)
+
+    def prompt_budget(self, params: SamplingParams) -> int | None:
+        """Prompt tokens a request may take: ``max_prompt_tokens`` if given, else what the
+        engine's context (and KV pool) leaves for ``params.max_tokens`` new tokens, at least
+        half of it. Over the budget, the least relevant chunks are dropped whole
+        (``answer.dropped``); None when the engine does not say its context."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        room = getattr(self.engine, "max_model_len", None)
+        if not isinstance(room, int):
+            return None
+        pool = getattr(self.engine, "kv_cache_tokens", None)
+        if isinstance(pool, int):
+            room = min(room, pool)
+        return max(room - params.max_tokens, room // 2)
 
     def _params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
         """The request's settings, checked in the caller's thread before anything is queued."""

@@ -231,3 +231,20 @@ def test_a_bad_order_names_its_parameter(engine):
     with pytest.raises(ragkv.errors.ConfigError, match="stable-first") as info:
         ragkv.Pipeline(engine, order="canonical")
     assert info.value.param == "order"
+
+
+def test_a_retrieval_larger_than_the_context_fits_by_dropping_the_least_relevant(
+    tmp_path_factory, passages
+):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("short"), "llama", seed=5)
+    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=4096, max_model_len=400) as e:
+        pipe = ragkv.Pipeline(e)
+        chunks = [Chunk(p, score=1.0 - i / 10) for i, p in enumerate(passages)]
+        answer = pipe.answer("Q?", chunks, max_tokens=16, ignore_eos=True)
+        assert pipe.prompt_budget(SamplingParams(max_tokens=16)) == 400 - 16
+        assert answer.dropped and answer.usage.prompt_tokens <= 400 - 16
+        kept = {s.index for s in answer.plan.spans("chunk")}
+        assert min(d.index for d in answer.dropped) > max(kept)  # least relevant went first
+        assert answer.usage.completion_tokens == 16
+        with pytest.raises(ragkv.errors.PromptTooLongError, match="Pipeline"):
+            e.generate(list(range(5, 405)), max_tokens=1)
