@@ -283,11 +283,17 @@ class Engine:
 
         ``ok`` is False once the engine is closed, its stepping thread died, or
         ``MAX_CONSECUTIVE_STEP_FAILURES`` steps in a row failed for no single request.
-        ``thread_alive`` is False before the first request starts the thread.
+        ``thread_alive`` is False before the first request (or :meth:`start`) starts the
+        thread.
         ``last_step_age_s`` (seconds since the last step finished, None before the first)
         tells a stuck step apart from an idle engine when ``busy`` is True.
         """
         return self.core.health()
+
+    def start(self) -> None:
+        """Start the stepping thread now rather than at the first request (a server does, so
+        its health probe sees a live engine before any traffic). Idempotent."""
+        self.core.start()
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight requests fail with :class:`EngineClosedError`.

@@ -158,6 +158,11 @@ class EngineCore:
         """Called by the tier loader: a parked request can be scheduled."""
         self._inbox.put(("wake", None))
 
+    def start(self) -> None:
+        """Start the stepping thread unless it runs (or the core is closed)."""
+        if not self.closed:
+            self._ensure_thread()
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             with self.lock:

@@ -131,10 +131,14 @@ class ModelRunner:
         Sets ``path``, ``model_name``, ``max_model_len`` (the config's, or the model's
         context) and ``identity`` (the model's part of every block hash).
         """
+        name = None
         if config.model is None:
-            from ragkv.cache_engine.default_model import default_model_path
+            from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
             path = Path(default_model_path())
+            # The converted copy's directory carries a fingerprint; clients see the model.
+            if path.name.startswith(DEFAULT_MODEL_NAME):
+                name = DEFAULT_MODEL_NAME
         else:
             path = Path(config.model).expanduser()
         model_config = read_config(path)
@@ -162,7 +166,7 @@ class ModelRunner:
             backend=config.backend,
         )
         runner.path = path
-        runner.model_name = model_config.get("_name_or_path") or path.name
+        runner.model_name = name or model_config.get("_name_or_path") or path.name
         runner.max_model_len = config.max_model_len or context
         runner.identity = model_identity(path, model_config, str(dtype))
         return runner

@@ -46,3 +46,8 @@ def test_reordered_hot_chunks_are_served_from_the_engine_cache(engine):
     hot_end = second.spans(SegmentKind.CHUNK)[-1].end
     assert second.expected_cached_tokens >= hot_end - hot_end % engine.block_size
     assert out.usage.cached_tokens == second.expected_cached_tokens
+
+
+def test_the_embedded_model_is_served_under_a_readable_name(engine):
+    # The converted copy's directory carries a fingerprint; clients see the model's name.
+    assert engine.model_name == "SmolLM2-135M-Instruct"

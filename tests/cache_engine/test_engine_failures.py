@@ -189,6 +189,10 @@ def test_health_of_a_working_and_a_closed_engine(llama_dir):
     engine = Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048)
     fresh = engine.health()
     assert fresh.ok and fresh.last_step_age_s is None and not fresh.busy
+    assert not fresh.thread_alive  # started by the first request, or by start()
+    engine.start()
+    engine.start()  # idempotent
+    assert engine.health().thread_alive and engine.health().ok
     engine.generate(ids(22), PARAMS)
     served = engine.health()
     assert served.ok and served.thread_alive and served.last_step_age_s is not None

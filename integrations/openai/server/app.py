@@ -132,6 +132,8 @@ def create_app(
     # What only an in-process engine can tell (context, vocabulary, health, stats); a
     # pipeline over a RemoteEngine is served without it.
     local = engine if isinstance(engine, Engine) else None
+    if local is not None:
+        local.start()  # /health reports a live stepping thread from the first probe
     if reuse not in (None, "blend"):
         raise ConfigError(f"unknown reuse {reuse!r}; use None or 'blend'", param="reuse")
     if reuse is not None and local is None:
