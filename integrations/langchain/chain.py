@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator
+from langchain_core.runnables.utils import AddableDict
 
 from ragkv.assembler.structured import SystemLike
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Deduplicator
 from ragkv.integrations.langchain.chat_model import ChatRagKV
 from ragkv.integrations.langchain.documents import document_to_chunk
-from ragkv.pipeline import Answer, Pipeline
+from ragkv.pipeline import Answer, AnswerDelta, Pipeline
 
 
 def create_rag_chain(
@@ -39,7 +40,10 @@ def create_rag_chain(
     (see :mod:`ragkv.assembler.structured`). Output: a dict
     with ``answer`` (str), ``usage`` (LangChain ``UsageMetadata``, ``cache_read`` included),
     ``documents`` (the retrieved ones), ``plan`` (the :class:`~ragkv.assembler.PromptPlan`)
-    and ``result`` (the full :class:`ragkv.Answer`). ``reuse="blend"`` (with ``blend``) opts
+    and ``result`` (the full :class:`ragkv.Answer`). ``stream()`` / ``astream()`` yield
+    ``{"answer": text}`` deltas as they are generated, then one last chunk with ``usage``
+    (cached tokens included), ``documents``, ``plan`` and ``result``; added up, the chunks
+    are what ``invoke()`` returns. ``reuse="blend"`` (with ``blend``) opts
     into approximate chunk reuse, as :class:`ragkv.Pipeline` does
     (``result.output.approximate``).
     """
@@ -52,33 +56,48 @@ def create_rag_chain(
         blend=blend,
     )
 
-    def run(inputs: str | dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
+    def kwargs(inputs: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
         question, history, call_system = _parse(inputs, system)
-        docs = retriever.invoke(question, config=config)
-        answer = pipeline.answer(
-            question,
-            [document_to_chunk(d) for d in docs],
-            system=call_system,
-            history=history,
-            params=chat_model.sampling_params(),
-            cache_salt=chat_model.cache_salt,
-        )
-        return _result(answer, docs)
+        return question, {
+            "system": call_system,
+            "history": history,
+            "params": chat_model.sampling_params(),
+            "cache_salt": chat_model.cache_salt,
+        }
 
-    async def arun(inputs: str | dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
-        question, history, call_system = _parse(inputs, system)
-        docs = await retriever.ainvoke(question, config=config)
-        answer = await pipeline.aanswer(
-            question,
-            [document_to_chunk(d) for d in docs],
-            system=call_system,
-            history=history,
-            params=chat_model.sampling_params(),
-            cache_salt=chat_model.cache_salt,
-        )
-        return _result(answer, docs)
+    def transform(
+        inputs: Iterator[str | dict[str, Any]], config: RunnableConfig
+    ) -> Iterator[AddableDict]:
+        for item in inputs:
+            question, settings = kwargs(item)
+            docs = retriever.invoke(question, config=config)
+            chunks = [document_to_chunk(d) for d in docs]
+            for delta in pipeline.stream(question, chunks, **settings):
+                yield from _chunks(delta, docs)
 
-    return RunnableLambda(run, afunc=arun, name="ragkv_rag_chain")
+    async def atransform(
+        inputs: AsyncIterator[str | dict[str, Any]], config: RunnableConfig
+    ) -> AsyncIterator[AddableDict]:
+        async for item in inputs:
+            question, settings = kwargs(item)
+            docs = await retriever.ainvoke(question, config=config)
+            chunks = [document_to_chunk(d) for d in docs]
+            async for delta in pipeline.astream(question, chunks, **settings):
+                for chunk in _chunks(delta, docs):
+                    yield chunk
+
+    return RunnableGenerator(transform, atransform, name="ragkv_rag_chain")
+
+
+def _chunks(delta: AnswerDelta, docs: list[Document]) -> Iterator[AddableDict]:
+    """Stream chunks of one delta: its text as ``{"answer": ...}``; the last delta adds the
+    usage, documents, plan and result. Added up (``invoke``), they are the whole answer."""
+    if delta.text:
+        yield AddableDict(answer=delta.text)
+    if delta.answer is not None:
+        final = _result(delta.answer, docs)
+        final["answer"] = ""  # already streamed
+        yield AddableDict(final)
 
 
 def _parse(

@@ -35,7 +35,8 @@ class RagKVSynthesizer(BaseSynthesizer):
     Each node becomes one chunk (its LLM-visible text), so dedup applies and the prompt is
     assembled from per-chunk token ids in a cache-friendly ``order``. ``llm`` must be a
     :class:`~ragkv.integrations.llama_index.RagKVLLM`; its sampling fields are used.
-    ``Response.metadata`` carries ``usage`` (OpenAI shape, ``cached_tokens`` included),
+    ``Response.metadata`` carries ``usage`` (OpenAI shape, ``cached_tokens`` included; a
+    streaming response's once its text has been consumed),
     ``dedup`` (counts) and ``plan`` (the :class:`~ragkv.assembler.PromptPlan`).
 
     ``system`` may be structured (``["stable text", Volatile("Today is …")]`` or
@@ -91,7 +92,10 @@ class RagKVSynthesizer(BaseSynthesizer):
         chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
         if self._streaming:
             deltas = self.pipeline.stream(question, chunks, **self._call_kwargs())
-            return StreamingResponse((d.text for d in deltas), source_nodes=sources)
+            metadata: dict[str, Any] = {}  # filled when the last delta arrives
+            return StreamingResponse(
+                _texts(deltas, metadata), source_nodes=sources, metadata=metadata
+            )
         answer = self.pipeline.answer(question, chunks, **self._call_kwargs())
         return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
 
@@ -107,7 +111,10 @@ class RagKVSynthesizer(BaseSynthesizer):
         chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
         if self._streaming:
             deltas = self.pipeline.astream(question, chunks, **self._call_kwargs())
-            return AsyncStreamingResponse(_texts(deltas), source_nodes=sources)
+            metadata: dict[str, Any] = {}
+            return AsyncStreamingResponse(
+                _atexts(deltas, metadata), source_nodes=sources, metadata=metadata
+            )
         answer = await self.pipeline.aanswer(question, chunks, **self._call_kwargs())
         return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
 
@@ -137,6 +144,19 @@ def _metadata(answer: Answer) -> dict[str, Any]:
     }
 
 
-async def _texts(deltas: Any) -> Any:
+def _texts(deltas: Any, metadata: dict[str, Any]) -> Any:
+    """The deltas' text; once the answer is done, its usage, dedup figures, plan and timings
+    land in ``metadata`` (the streaming response's, read after consuming it)."""
+    for delta in deltas:
+        if delta.text:
+            yield delta.text
+        if delta.answer is not None:
+            metadata.update(_metadata(delta.answer))
+
+
+async def _atexts(deltas: Any, metadata: dict[str, Any]) -> Any:
     async for delta in deltas:
-        yield delta.text
+        if delta.text:
+            yield delta.text
+        if delta.answer is not None:
+            metadata.update(_metadata(delta.answer))

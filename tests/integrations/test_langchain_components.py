@@ -201,6 +201,26 @@ def test_rag_chain_assembles_unique_chunks_at_token_level(engine, passages):
     assert isinstance(second["answer"], str)
 
 
+def test_rag_chain_streams_answer_deltas_then_usage_documents_and_plan(engine, passages):
+    retriever = ListRetriever(docs=docs_with_duplicates(passages))
+    model = ChatRagKV(engine=engine, max_tokens=6, cache_salt="chain-stream")
+    chain = create_rag_chain(retriever, model, system="Be brief.")
+    whole = chain.invoke("What is streaming?")
+    chunks = list(chain.stream("What is streaming?"))
+    *deltas, last = chunks
+    assert deltas and all(set(c) == {"answer"} for c in deltas)
+    assert "".join(c["answer"] for c in chunks) == whole["answer"]
+    assert last["usage"]["input_token_details"]["cache_read"] > 0  # the same prompt again
+    assert len(last["documents"]) == 4 and last["plan"].token_ids == whole["plan"].token_ids
+
+    async def collect():
+        return [c async for c in chain.astream({"question": "What is streaming?"})]
+
+    async_chunks = asyncio.run(collect())
+    assert "".join(c["answer"] for c in async_chunks) == whole["answer"]
+    assert async_chunks[-1]["result"].usage.completion_tokens == whole["usage"]["output_tokens"]
+
+
 def test_timeout_aborts_the_generation(engine):
     model = ChatRagKV(engine=engine, max_tokens=200, timeout=0.0)
     with pytest.raises(RequestAbortedError, match="timed out"):

@@ -150,6 +150,27 @@ def test_synthesizer_passes_chunk_reuse_through_the_pipeline(engine, passages):
     assert moved.metadata["usage"]["reused_nonprefix_tokens"] > 0
 
 
+def test_a_streaming_synthesizer_reports_usage_when_done(engine, passages):
+    llm = RagKVLLM(engine=engine, max_tokens=5)
+    nodes = [NodeWithScore(node=TextNode(text=p), score=1.0) for p in passages[:3]]
+    whole = RagKVSynthesizer(llm).synthesize("What is it?", nodes)
+    streamed = RagKVSynthesizer(llm, streaming=True).synthesize("What is it?", nodes)
+    assert streamed.metadata == {}  # nothing generated yet
+    assert "".join(streamed.response_gen) == str(whole)
+    usage = streamed.metadata["usage"]
+    assert usage["completion_tokens"] == whole.metadata["usage"]["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
+    assert streamed.metadata["plan"].token_ids == whole.metadata["plan"].token_ids
+
+    async def consume():
+        response = await RagKVSynthesizer(llm, streaming=True).asynthesize("What is it?", nodes)
+        text = "".join([t async for t in response.async_response_gen()])
+        return text, response.metadata
+
+    text, metadata = asyncio.run(consume())
+    assert text == str(whole) and metadata["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+
+
 def test_streamed_completion_fires_an_instrumentation_event_per_token(engine, recorder):
     llm = RagKVLLM(engine=engine, max_tokens=6)
     responses = list(llm.stream_complete("Tell me something."))
