@@ -1,4 +1,4 @@
-"""``DedupPostprocessor``: byte-exact dedup of retrieved nodes on their LLM-visible text."""
+"""``DedupPostprocessor``: byte-exact dedup of retrieved nodes on their content."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from ragkv.integrations.llama_index.synthesizer import node_to_chunk
 
 
 class DedupPostprocessor(BaseNodePostprocessor):
-    """Drop nodes whose LLM-visible text (``metadata_mode``, default ``MetadataMode.LLM``) is
-    byte-identical to an earlier node's, whatever their node ids; keep the best score.
+    """Drop nodes whose content is byte-identical to an earlier node's, whatever their node
+    ids and metadata; keep the best score (the survivor's ``ragkv_sources`` lists every
+    copy). ``metadata_mode=MetadataMode.LLM`` compares the LLM-visible text instead, so the
+    same passage from two files (their ``file_name`` differs) is kept twice.
 
     LlamaIndex itself only merges nodes with the same id; the same passage stored twice
-    (re-ingested files, overlapping sources) reaches the prompt twice. Survivors are ordered
+    (re-ingested files, overlapping sources, copies in several files) reaches the prompt
+    twice. Survivors are ordered
     by content hash (``order="canonical"``: the same set in any retrieval order gives the
     same prompt prefix) or kept in retrieval order (``"retrieval"``). Each survivor's
     metadata gains ``ragkv_rank``, ``ragkv_sources``, ``ragkv_duplicates`` and
@@ -27,7 +30,7 @@ class DedupPostprocessor(BaseNodePostprocessor):
 
     deduplicator: Any = Field(default_factory=Deduplicator, exclude=True)
     order: str = "canonical"
-    metadata_mode: MetadataMode = MetadataMode.LLM
+    metadata_mode: MetadataMode = MetadataMode.NONE
 
     def model_post_init(self, context: Any) -> None:
         check_doc_order(self.order)

@@ -17,6 +17,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 from ragkv.assembler.structured import SystemLike
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Chunk, Deduplicator
+from ragkv.dedup.merge import DUPLICATES
 from ragkv.integrations._documents import make_chunk
 from ragkv.pipeline import Answer, Pipeline
 
@@ -94,10 +95,10 @@ class RagKVSynthesizer(BaseSynthesizer):
             deltas = self.pipeline.stream(question, chunks, **self._call_kwargs())
             metadata: dict[str, Any] = {}  # filled when the last delta arrives
             return StreamingResponse(
-                _texts(deltas, metadata), source_nodes=sources, metadata=metadata
+                _texts(deltas, metadata, nodes), source_nodes=sources, metadata=metadata
             )
         answer = self.pipeline.answer(question, chunks, **self._call_kwargs())
-        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
+        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer, nodes))
 
     async def asynthesize(
         self,
@@ -113,10 +114,10 @@ class RagKVSynthesizer(BaseSynthesizer):
             deltas = self.pipeline.astream(question, chunks, **self._call_kwargs())
             metadata: dict[str, Any] = {}
             return AsyncStreamingResponse(
-                _atexts(deltas, metadata), source_nodes=sources, metadata=metadata
+                _atexts(deltas, metadata, nodes), source_nodes=sources, metadata=metadata
             )
         answer = await self.pipeline.aanswer(question, chunks, **self._call_kwargs())
-        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer))
+        return Response(answer.text, source_nodes=sources, metadata=_metadata(answer, nodes))
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
         """The answer text for plain text chunks (the ``BaseSynthesizer`` hook)."""
@@ -135,28 +136,33 @@ class RagKVSynthesizer(BaseSynthesizer):
         }
 
 
-def _metadata(answer: Answer) -> dict[str, Any]:
+def _metadata(answer: Answer, nodes: Sequence[NodeWithScore]) -> dict[str, Any]:
+    dedup = answer.dedup.as_dict()
+    # What a DedupPostprocessor upstream already removed (its survivors say how many).
+    dedup["postprocessor_duplicates"] = sum(
+        int(n.node.metadata.get(DUPLICATES, 0) or 0) for n in nodes
+    )
     return {
         "usage": answer.usage.to_openai(),
-        "dedup": answer.dedup.as_dict(),
+        "dedup": dedup,
         "plan": answer.plan,
         "timings": answer.timings,
     }
 
 
-def _texts(deltas: Any, metadata: dict[str, Any]) -> Any:
+def _texts(deltas: Any, metadata: dict[str, Any], nodes: Sequence[NodeWithScore]) -> Any:
     """The deltas' text; once the answer is done, its usage, dedup figures, plan and timings
     land in ``metadata`` (the streaming response's, read after consuming it)."""
     for delta in deltas:
         if delta.text:
             yield delta.text
         if delta.answer is not None:
-            metadata.update(_metadata(delta.answer))
+            metadata.update(_metadata(delta.answer, nodes))
 
 
-async def _atexts(deltas: Any, metadata: dict[str, Any]) -> Any:
+async def _atexts(deltas: Any, metadata: dict[str, Any], nodes: Sequence[NodeWithScore]) -> Any:
     async for delta in deltas:
         if delta.text:
             yield delta.text
         if delta.answer is not None:
-            metadata.update(_metadata(delta.answer))
+            metadata.update(_metadata(delta.answer, nodes))

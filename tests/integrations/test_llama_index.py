@@ -20,7 +20,7 @@ from llama_index.core.instrumentation.events.llm import (  # noqa: E402
     LLMChatInProgressEvent,
     LLMCompletionInProgressEvent,
 )
-from llama_index.core.schema import NodeWithScore, TextNode  # noqa: E402
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
 from support import save_tiny_checkpoint, training_text  # noqa: E402
 
 from ragkv.cache_engine import Engine  # noqa: E402
@@ -94,14 +94,30 @@ def test_postprocessor_dedups_llm_visible_text_and_keeps_the_best_score(passages
     assert "ragkv_rank" not in nodes[0].node.metadata  # the stored node is untouched
 
 
-def test_postprocessor_keeps_equal_text_with_different_llm_metadata(passages):
+def test_postprocessor_collapses_equal_text_from_different_files_by_default(passages):
     a = TextNode(text=passages[0], id_="a", metadata={"file": "a.txt"})
     b = TextNode(text=passages[0], id_="b", metadata={"file": "b.txt"})
     nodes = [NodeWithScore(node=a, score=1.0), NodeWithScore(node=b, score=1.0)]
-    assert len(DedupPostprocessor().postprocess_nodes(nodes)) == 2
+    (kept,) = DedupPostprocessor().postprocess_nodes(nodes)  # content compared
+    assert kept.node.metadata["ragkv_sources"] and kept.node.metadata["ragkv_duplicates"] == 1
+    # Comparing what the LLM sees (file names included) keeps both, as configured.
+    llm_text = DedupPostprocessor(metadata_mode=MetadataMode.LLM)
+    assert len(llm_text.postprocess_nodes(nodes)) == 2
     b.excluded_llm_metadata_keys = ["file"]
     a.excluded_llm_metadata_keys = ["file"]
-    assert len(DedupPostprocessor().postprocess_nodes(nodes)) == 1
+    assert len(llm_text.postprocess_nodes(nodes)) == 1
+
+
+def test_synthesizer_reports_what_the_postprocessor_removed(engine, passages):
+    nodes = [
+        NodeWithScore(node=TextNode(text=passages[0], id_="a"), score=0.9),
+        NodeWithScore(node=TextNode(text=passages[0], id_="b"), score=0.8),
+        NodeWithScore(node=TextNode(text=passages[1], id_="c"), score=0.7),
+    ]
+    kept = DedupPostprocessor().postprocess_nodes(nodes)
+    response = RagKVSynthesizer(RagKVLLM(engine=engine, max_tokens=1)).synthesize("Q?", kept)
+    dedup = response.metadata["dedup"]
+    assert dedup["postprocessor_duplicates"] == 1 and dedup["chunks_in"] == 2
 
 
 def test_query_engine_drops_duplicates_and_reports_cached_tokens(engine, passages, recorder):
