@@ -398,16 +398,39 @@ def _is_single(prompts: Any) -> bool:
     )
 
 
-def _load_tokenizer(tokenizer: Any) -> Any:
-    if isinstance(tokenizer, str | os.PathLike):
-        from transformers import AutoTokenizer
+EMBEDDED = "embedded"  # tokenizer="embedded": the embedded default model's, offline
 
-        return AutoTokenizer.from_pretrained(tokenizer)
+
+def _load_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer object for ``tokenizer``: ``"embedded"`` (the embedded default model's,
+    what ``ragkv serve`` without ``--model`` uses), a local directory, or a hub id that is
+    already in the local Hugging Face cache. Never downloads: offline, a missing tokenizer
+    is one clear error at once instead of a minute of retries."""
     if tokenizer is None:
         raise InvalidInputError(
-            "RemoteEngine needs the server's tokenizer (a path, hub id or tokenizer object)"
+            "RemoteEngine needs the server's tokenizer: 'embedded' (a ragkv serve of the "
+            "embedded model), a local tokenizer directory, or a tokenizer object",
+            param="tokenizer",
         )
-    return tokenizer
+    if not isinstance(tokenizer, str | os.PathLike):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if tokenizer == EMBEDDED:
+        from ragkv.cache_engine import default_model_path
+
+        return AutoTokenizer.from_pretrained(default_model_path())
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except OSError as exc:
+        raise InvalidInputError(
+            f"no tokenizer found for {str(tokenizer)!r} on this machine (local directory or "
+            "the local Hugging Face cache; ragkv downloads nothing: `hf download ID "
+            "--local-dir DIR` where there is network). Pass the server model's tokenizer "
+            "directory, or tokenizer='embedded' for a ragkv serve of the embedded model "
+            f"({exc.__class__.__name__}: {str(exc)[:200]})",
+            param="tokenizer",
+        ) from exc
 
 
 __all__ = ["RemoteEngine"]

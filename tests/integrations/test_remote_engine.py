@@ -264,3 +264,20 @@ def test_framework_adapters_refuse_an_object_that_is_not_an_engine():
     for adapter in (ChatRagKV, RagKVLLM):
         with pytest.raises((InvalidInputError, ValueError), match="EngineLike"):
             adapter(engine=object())
+
+
+def test_tokenizer_embedded_or_a_clear_error_offline(tmp_path, monkeypatch):
+    """``tokenizer="embedded"`` is the embedded model's (a local ``ragkv serve``); a hub id
+    that is not cached fails at once, saying what to pass, instead of retrying the hub."""
+    import time
+
+    from ragkv.cache_engine import default_model_path
+    from ragkv.errors import InvalidInputError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-cache"))
+    engine = RemoteEngine("http://127.0.0.1:9/v1", tokenizer="embedded")
+    assert engine.tokenizer.name_or_path == str(default_model_path())
+    started = time.perf_counter()
+    with pytest.raises(InvalidInputError, match="hf download.*'embedded'") as info:
+        RemoteEngine("http://127.0.0.1:9/v1", tokenizer="some-org/not-cached-anywhere")
+    assert info.value.param == "tokenizer" and time.perf_counter() - started < 10
