@@ -49,7 +49,7 @@ class EngineConfig:
     ``kv_store_bytes``), and come back verified (Invariant 7). A store directory survives
     restarts. ``kv_store_salted=False`` keeps salted (per-tenant) requests' blocks out of
     the disk tier. ``kv_tier_write_policy``: "write-back" (host evictions go to disk) or
-    "write-through" (blocks seen twice go to disk at once); see the README's benchmark.
+    "write-through" (blocks seen twice go to disk at once); see docs/benchmarks.md.
     """
 
     model: str | Path | None = None

@@ -14,7 +14,7 @@ discarded while scheduling is not in the batch), never an unregistered private c
 never approximate (non-prefix) chunk reuse, which is not registered. The gather runs in the
 stepping thread before the next step can reuse a block, so no block is pinned; on CPU it is
 a memory copy of ~0.7 MB per block of the default model, a few per cent of the forward that
-wrote it (README, "Benchmark"). On CUDA the gather runs on the compute stream (so it reads
+wrote it (docs/benchmarks.md). On CUDA the gather runs on the compute stream (so it reads
 the blocks before any later step can overwrite them) and the copy to pinned host memory on
 a side stream; the offer carries the copy's event, which the tiers' writer waits on before
 reading (this CUDA path is untested here: no GPU in CI).

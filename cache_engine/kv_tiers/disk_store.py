@@ -12,7 +12,7 @@ Layout of a store directory::
 
 There is no index file to lose or tear: the index is the directory listing, read at open
 (LRU order from file modification times, refreshed on every hit). One file per block was
-measured against segment files in the README ("KV tiers"): a block of the default model is
+measured against segment files in docs/benchmarks.md ("KV tiers lanes"): a block of the default model is
 ~0.7 MB, so per-file overhead is small next to the read, and eviction is an ``unlink``.
 """
 

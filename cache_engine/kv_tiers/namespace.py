@@ -48,7 +48,7 @@ def weights_fingerprint(path: str | Path) -> str:
     ``path`` is a checkpoint directory (or a single weight file). The whole content is
     hashed, not a sample: one changed weight anywhere must change the fingerprint. xxh3 runs
     at memory speed, so this costs about as much as reading the files once (measured in the
-    README, "KV tiers").
+    docs/python_api.md, "KV tiers").
     """
     path = Path(path)
     files = (

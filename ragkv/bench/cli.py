@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> None:
         "bench",
         help="compare no-cache / apc / apc+assembler / ragkv lanes on one workload",
         description="Replay the same requests through several lanes side by side "
-        "(see README, 'Benchmark'). Exits 1 when greedy outputs of identical prompts differ.",
+        "(see docs/benchmarks.md). Exits 1 when greedy outputs of identical prompts differ.",
     )
     p.add_argument(
         "--workload",
@@ -95,7 +95,9 @@ def add_parser(subparsers: Any) -> None:
     w = p.add_argument_group("production workload (--requests, --top-k, --seed also apply)")
     w.add_argument("--passages", type=int, help="distinct passages in the pool (2 per request)")
     w.add_argument("--duplicate-rate", type=float, default=0.05)
-    r = p.add_argument_group("replica lanes (cache-aware routing, see README 'Replica lanes')")
+    r = p.add_argument_group(
+        "replica lanes (cache-aware routing, see docs/benchmarks.md, 'Replica lanes')"
+    )
     r.add_argument(
         "--replicas",
         type=int,

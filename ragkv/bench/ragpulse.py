@@ -89,7 +89,7 @@ def ragpulse_workload(
     root = Path(trace_dir).expanduser()
     if not (root / TRACE_FILE).is_file():
         raise InvalidInputError(
-            f"{root} is not a RAGPulse trace directory (no {TRACE_FILE}); see the README, "
+            f"{root} is not a RAGPulse trace directory (no {TRACE_FILE}); see docs/benchmarks.md, "
             "'Replaying a public trace'"
         )
     lengths = {role: _lengths(root / name, key) for role, (name, key) in TABLES.items()}

@@ -1,7 +1,7 @@
 """Benchmark report: per-lane summary, determinism check, terminal table, JSON and plot.
 
 JSON keys (stable): ``{"lanes": {lane: {...}}, "workload": {...}, "machine": {...},
-"determinism": {...}, "ratios": {...}}``; see the README ("Benchmark") for each lane's keys.
+"determinism": {...}, "ratios": {...}}``; see docs/benchmarks.md for each lane's keys.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - :func:`synthetic_workload`: questions over the bundled corpus with Zipf topic popularity,
   multi-query BM25 retrieval (duplicates kept), multi-turn sessions and an optional
   per-request timestamp in the system prompt. Seeded: the same config gives the same list.
-- :func:`trace_workload`: replay of a JSONL trace of segment ids (see the README,
+- :func:`trace_workload`: replay of a JSONL trace of segment ids (see docs/benchmarks.md,
   "Benchmark"), each id turned into a deterministic token sequence of its listed length.
 """
 

@@ -17,7 +17,7 @@ from ragkv.errors import ConfigError, InvalidInputError
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "ragpulse"
 needs_shared = pytest.mark.skipif(
     not (SHARED / "0_trace.jsonl").is_file(),
-    reason=f"the shared RAGPulse trace is not at {SHARED} (see the README, 'Replaying a "
+    reason=f"the shared RAGPulse trace is not at {SHARED} (see docs/benchmarks.md, 'Replaying a "
     "public trace')",
 )
 

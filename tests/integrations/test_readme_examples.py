@@ -1,4 +1,4 @@
-"""The README's LangChain and LlamaIndex examples run as written, on the embedded model."""
+"""The README's Quick start, LangChain and LlamaIndex examples run as written, on the embedded model."""
 
 from __future__ import annotations
 
@@ -41,3 +41,13 @@ def test_readme_llama_index_example_runs(capsys):
     assert len(response.source_nodes) == 2
     assert response.metadata["dedup"]["chunks_out"] == 2
     assert str(response) and str(response) in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_readme_quick_start_runs(capsys):
+    namespace: dict = {}
+    exec(compile(snippet("Quick start"), "README.md#quick-start", "exec"), namespace)
+    ans = namespace["ans"]
+    assert ans.dedup.duplicates_dropped == 1 and ans.usage.completion_tokens <= 32
+    out = capsys.readouterr().out
+    assert ans.text in out and ans.prompt_text in out

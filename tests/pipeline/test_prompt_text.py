@@ -1,4 +1,4 @@
-"""What the model reads: ``answer.prompt_text``, ``learn_system=False``, and the README's
+"""What the model reads: ``answer.prompt_text``, ``learn_system=False``, and the documented
 before/after example, reproduced with the embedded model's tokenizer (no model run)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ragkv.bench.simulated import SimulatedEngine
 from ragkv.cache_engine import SamplingParams, default_model_path
 from ragkv.errors import ConfigError
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "python_api.md"
 CHUNKS = ["Refunds are issued within 14 days of purchase.", "Gift cards cannot be refunded."]
 QUESTION = "Can I return a gift card?"
 
@@ -40,8 +40,8 @@ def _fifth_prompt(tokenizer, **kwargs) -> ragkv.Answer:
     return answer
 
 
-def test_readme_before_and_after_is_what_the_pipeline_sends(tokenizer):
-    section = README.read_text().split("What the model reads, before and after", 1)[1]
+def test_the_documented_before_and_after_is_what_the_pipeline_sends(tokenizer):
+    section = DOC.read_text().split("What the model reads, before and after", 1)[1]
     block = re.search(r"```text\n(.*?)```", section, flags=re.S).group(1)
     before, after = re.split(r"\nPipeline\(engine\) \(default\):[^\n]*\n", block)
     before = before.split("\n", 1)[1]  # drop the caption line
