@@ -94,6 +94,8 @@ class Pipeline:
     Prompts fit by default: ``max_prompt_tokens=None`` means what the engine's context (and
     KV pool) leaves for the request's ``max_tokens``; over it, the least relevant chunks are
     dropped whole, before the prompt exists, and reported in ``answer.dropped``.
+    ``fit_context=False`` sends every chunk (a prompt over the context then raises
+    :class:`~ragkv.errors.PromptTooLongError`).
 
     ``learn_system=False`` keeps every system prompt as written: the assembler moves no
     learned part of it (parts the app marks with ``Volatile`` or ``SystemPrompt`` still
@@ -120,6 +122,7 @@ class Pipeline:
         learn_system: bool = True,
         dedup: bool = True,
         max_prompt_tokens: int | None = None,
+        fit_context: bool = True,
         default_params: SamplingParams | None = None,
         isolate_by_salt: bool = False,
         max_namespaces: int = 1024,
@@ -148,6 +151,7 @@ class Pipeline:
         self.registry = self.assembler.registry
         self.dedup_enabled = dedup
         self.max_prompt_tokens = max_prompt_tokens
+        self.fit_context = fit_context
         self.default_params = resolve_params(default_params, {})
         self.isolate_by_salt = isolate_by_salt
         self.max_namespaces = max_namespaces
@@ -323,7 +327,7 @@ class Pipeline:
         engine's context (and KV pool) leaves for ``params.max_tokens`` new tokens, at least
         half of it. Over the budget, the least relevant chunks are dropped whole
         (``answer.dropped``); None when the engine does not say its context."""
-        if self.max_prompt_tokens is not None:
+        if self.max_prompt_tokens is not None or not self.fit_context:
             return self.max_prompt_tokens
         room = getattr(self.engine, "max_model_len", None)
         if not isinstance(room, int):

@@ -17,6 +17,9 @@ from ragkv.cache_engine.config import DEFAULTS, KV_TIER_WRITE_POLICIES
 # Topics scale with requests, so each topic recurs about as often in both.
 DEFAULT_REQUESTS, DEFAULT_TOPICS = 40, 10
 FULL_REQUESTS, FULL_TOPICS = 200, 50
+# --quick: a first look in about a minute on 2 cores; each topic still recurs 3-4 times.
+QUICK_REQUESTS, QUICK_TOPICS, QUICK_MAX_TOKENS = 12, 3, 4
+BENCH_MAX_TOKENS = 8
 
 
 def add_parser(subparsers: Any) -> None:
@@ -50,7 +53,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool (default: half the unique tokens)")
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
-    p.add_argument("--max-tokens", type=int, default=8, help="generated tokens per request")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=BENCH_MAX_TOKENS,
+        help=f"generated tokens per request (default {BENCH_MAX_TOKENS}; the bench measures "
+        "prefill)",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight per lane")
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
     p.add_argument(
@@ -72,6 +81,12 @@ def add_parser(subparsers: Any) -> None:
         "(default: BlendConfig's, 16; 0 is naive reuse)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a first look: {QUICK_REQUESTS} requests on {QUICK_TOPICS} topics, "
+        f"{QUICK_MAX_TOKENS} output tokens (about a minute on 2 cores)",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -176,8 +191,9 @@ def build_workload(args: argparse.Namespace) -> Any:
         if not args.trace or not args.lengths:
             raise ConfigError("--workload trace needs --trace FILE.jsonl and --lengths FILE.json")
         return trace_workload(args.trace, args.lengths, bench_tokenizer(args.model), seed=args.seed)
-    requests = args.requests or (FULL_REQUESTS if args.full else DEFAULT_REQUESTS)
-    topics = args.topics or (FULL_TOPICS if args.full else DEFAULT_TOPICS)
+    size = (QUICK_REQUESTS, QUICK_TOPICS) if args.quick else (DEFAULT_REQUESTS, DEFAULT_TOPICS)
+    requests = args.requests or (FULL_REQUESTS if args.full else size[0])
+    topics = args.topics or (FULL_TOPICS if args.full else size[1])
     if args.workload == "production":
         return production_workload(
             ProductionConfig(
@@ -228,6 +244,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.quick and args.full:
+        from ragkv.errors import ConfigError
+
+        raise ConfigError("--quick and --full ask for different sizes; pick one")
+    if args.quick and args.max_tokens == BENCH_MAX_TOKENS:
+        args.max_tokens = QUICK_MAX_TOKENS
     from ragkv.bench.report import format_table, plot
     from ragkv.bench.runner import run_bench
 

@@ -137,7 +137,8 @@ def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
         # The baselines send the app's own order; only ragkv's lanes compare against it.
         never_worse=spec.demote_invalidators,
     )
-    return Pipeline(engine, assembler=assembler, dedup=spec.dedup)
+    # Every lane sends every retrieved chunk: a budget would drop different chunks per lane.
+    return Pipeline(engine, assembler=assembler, dedup=spec.dedup, fit_context=False)
 
 
 def run_lane(

@@ -264,6 +264,10 @@ def format_table(report: dict[str, Any]) -> str:
         for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
+    lines.append(
+        "prefill tok: prompt tokens computed; cached tok: served from the prefix cache; "
+        "hit: cached / prompt tok; dedup -tok: tokens of dropped duplicate chunks"
+    )
     r = report["ratios"]
     parts = [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in r.items() if isinstance(v, float)]
     if parts:

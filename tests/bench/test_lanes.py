@@ -156,3 +156,16 @@ async def test_run_bench_works_inside_a_running_event_loop(tiny_model, small_con
     )
     report, _ = run_bench(workload, config)
     assert report["lanes"]["ragkv"]["requests"] == 3
+
+
+def test_quick_is_a_small_run_and_refuses_full(capsys, tiny_model):
+    from ragkv.bench.cli import QUICK_REQUESTS
+
+    parser_args = ["bench", "--quick", "--model", tiny_model, "--model-free", "--json", "-",
+                   "--no-progress"]  # fmt: skip
+    assert main(parser_args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["requests"] == QUICK_REQUESTS
+    assert report["machine"]["max_tokens"] == 4
+    assert main(["bench", "--quick", "--full", "--model", tiny_model, "--model-free"]) == 1
+    assert "pick one" in capsys.readouterr().err
