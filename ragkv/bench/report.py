@@ -22,6 +22,7 @@ from ragkv.errors import MissingDependencyError
 TARGETS = {
     "synthetic": {"prefill_ragkv_vs_apc": 0.5, "prefill_ragkv_vs_no_cache": 0.25},
     "production": {"prefill_ragkv_vs_apc": 0.85},
+    "ragpulse": {"prefill_ragkv_vs_apc": 0.9},
 }
 
 
