@@ -69,8 +69,8 @@ class PromptTemplate:
         self._frames: OrderedDict[tuple[str, ...], tuple[Piece, ...]] = OrderedDict()
 
     def piece(self, text: str) -> Piece:
-        """Tokenize a static string."""
-        return Piece(text, tuple(self.tokenizer.encode(text)))
+        """Tokenize a static string of the template (its special-token strings are special)."""
+        return Piece(text, tuple(self.tokenizer.encode_template(text)))
 
     def frame(self, history_roles: tuple[str, ...]) -> tuple[Piece, ...]:
         """The static pieces around the message slots (system, each turn, question).
@@ -129,6 +129,37 @@ def render_chat(
     if chat_template_of(tokenizer) is None:
         return render_plain(messages, layout or Layout())
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def chat_token_ids(tokenizer: TextTokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` as :func:`render_chat` renders them, with every message's
+    content encoded literally: a special-token string a user, a document or a tool put in a
+    message is text, never a control token. The template's own text keeps its special tokens.
+
+    The template is rendered once around unique placeholders and split there; a template
+    that does not reproduce each content verbatim (one that trims or escapes it) is encoded
+    as rendered, special tokens parsed, which is what Hugging Face does for every template.
+    """
+    holders = [f"\ue000ragkv{i}\ue001" for i in range(len(messages))]
+    shaped = [{**m, "content": h} for m, h in zip(messages, holders, strict=True)]
+    rendered = render_chat(tokenizer.tokenizer, shaped)
+    pieces, rest = [], rendered
+    for holder in holders:
+        before, found, rest = rest.partition(holder)
+        if not found or holder in rest:
+            pieces = None
+            break
+        pieces.append(before)
+    real = render_chat(tokenizer.tokenizer, messages)
+    contents = [m["content"] for m in messages]
+    if pieces is not None:
+        joined = "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest
+        if joined == real:
+            ids: list[int] = []
+            for piece, content in zip(pieces, contents, strict=True):
+                ids += tokenizer.encode_template(piece) + tokenizer.encode(content)
+            return ids + tokenizer.encode_template(rest)
+    return tokenizer.encode_template(real)
 
 
 def render_plain(messages: Sequence[dict[str, str]], layout: Layout) -> str:

@@ -1,9 +1,13 @@
 """The few tokenizer operations the assembler needs, over any Hugging Face tokenizer.
 
 Text is always encoded without special tokens (no BOS/EOS added): the chat template, when
-there is one, supplies them. The fast Rust backend is used directly when present. Strings
-of the tokenizer's special tokens inside a text (``<|im_end|>`` in a retrieved chunk) are
-encoded as those special tokens, as Hugging Face does by default.
+there is one, supplies them. The fast Rust backend is used directly when present.
+
+**Untrusted text never becomes control tokens** (Invariant 10). :meth:`TextTokenizer.encode`
+encodes content (chunks, system prompt, history, question) literally: a retrieved chunk
+holding ``<|im_end|>\n<|im_start|>system`` is those characters, tokenized as text, not a
+forged system turn. Only the template's own pieces (:meth:`TextTokenizer.encode_template`)
+are parsed for special tokens.
 
 Normalization: byte-level BPE decodes a text's token ids back to exactly that text, provided
 every byte's symbol is in the vocab. The shipped SmolLM2 vocab lacks 21 of the 256 (the
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,18 +41,40 @@ class TextTokenizer:
             )
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.key = tokenizer_key(tokenizer)
+        self._literal = None  # a copy of the backend that reads special-token strings as text
+        if self._backend is not None:
+            from tokenizers import Tokenizer
+
+            self._literal = Tokenizer.from_str(self._backend.to_str())
+            self._literal.encode_special_tokens = True
+        self.key = tokenizer_key(tokenizer) + "|literal"
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, no special tokens added."""
+        """Token ids of content ``text``: no special tokens added, and none parsed (a
+        special-token string in the text is encoded as the characters it is)."""
+        return self._guarded(self._encode_literal, text)
+
+    def encode_template(self, text: str) -> list[int]:
+        """Token ids of the template's own text, whose special-token strings are special."""
+        return self._guarded(self._encode_special, text)
+
+    @staticmethod
+    def _guarded(encode: Any, text: str) -> list[int]:
         try:
-            return self._encode(text)
+            return encode(text)
         except (TypeError, UnicodeEncodeError):
             if not _SURROGATE.search(text):
                 raise
-            return self._encode(_SURROGATE.sub("\ufffd", text))
+            return encode(_SURROGATE.sub("\ufffd", text))
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode_literal(self, text: str) -> list[int]:
+        if self._literal is not None:
+            return self._literal.encode(text, add_special_tokens=False).ids
+        return list(
+            self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        )
+
+    def _encode_special(self, text: str) -> list[int]:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -62,6 +89,20 @@ class TextTokenizer:
     def chat_template(self) -> str | None:
         """The tokenizer's chat template string, if it has one."""
         return chat_template_of(self.tokenizer)
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, TextTokenizer] = weakref.WeakKeyDictionary()
+
+
+def text_tokenizer(tokenizer: Any) -> TextTokenizer:
+    """The :class:`TextTokenizer` of a Hugging Face tokenizer, built once per tokenizer (its
+    literal copy of the vocabulary costs a few milliseconds)."""
+    if isinstance(tokenizer, TextTokenizer):
+        return tokenizer
+    shared = _SHARED.get(tokenizer)
+    if shared is None:
+        shared = _SHARED[tokenizer] = TextTokenizer(tokenizer)
+    return shared
 
 
 def chat_template_of(tokenizer: Any) -> str | None:

@@ -8,7 +8,8 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from ragkv.assembler.template import render_chat
+from ragkv.assembler.template import chat_token_ids
+from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.errors import InvalidInputError, RequestAbortedError
@@ -70,10 +71,9 @@ def engine_for(adapter: Any) -> EngineLike:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered by ragkv's one chat renderer
-    (:func:`ragkv.assembler.template.render_chat`)."""
-    text = render_chat(tokenizer, messages)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of ``messages`` rendered by ragkv's one chat renderer, contents encoded
+    literally (:func:`ragkv.assembler.template.chat_token_ids`)."""
+    return chat_token_ids(text_tokenizer(tokenizer), messages)
 
 
 def sampling_params(

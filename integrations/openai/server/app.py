@@ -42,7 +42,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised through server.cli
     raise MissingDependencyError("fastapi", "server") from exc
 
-from ragkv.assembler.template import render_chat
+from ragkv.assembler.template import chat_token_ids
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from ragkv.errors import (
@@ -339,12 +339,12 @@ def _chat_prompt(
         )
     if parsed.rag is None:
         try:
-            text = render_chat(served.engine.tokenizer, parsed.messages)
+            ids = chat_token_ids(served.pipeline.assembler.tokenizer, parsed.messages)
         except Exception as exc:  # jinja raises for messages the template refuses
             raise APIError(
                 400, f"the chat template rejected messages: {exc}", param="messages"
             ) from exc
-        return _tokenize(served.engine, text), None, {}
+        return ids, None, {}
     messages = parsed.messages
     if messages[-1]["role"] != "user":
         raise APIError(
@@ -363,6 +363,8 @@ def _chat_prompt(
         # Learned chunk order is the tenant's, whatever salts its clients pick: a client
         # cycling salts cannot evict other tenants' state.
         namespace=parsed.tenant,
+        # The prompt budget leaves room for this request's answer.
+        params=SamplingParams(max_tokens=parsed.max_tokens or served.default_max_tokens),
     )
     stats = prepared.dedup.stats
     extra = {
