@@ -1,8 +1,9 @@
 """The disk KV tier: one verified file per block in a directory that survives restarts.
 
-Layout of a store directory::
+Layout of a store directory (``0700``, files ``0600``: see :mod:`.private_files`)::
 
     <kv_store_dir>/
+      secret                        the key of every entry's MAC (32 random bytes)
       ns-<namespace digest>/        one per model setup (StoreNamespace)
         namespace.json              the namespace in clear, for people; never trusted
         lock                        held (shared, flock) by every store open on it
@@ -23,6 +24,7 @@ import errno
 import itertools
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -34,7 +36,8 @@ import torch
 
 from ragkv.cache_engine.kv_tiers.entry_file import (
     DamagedEntry,
-    encode_head,
+    EntryHeader,
+    entry_size,
     read_header,
     read_payload,
     storable,
@@ -42,6 +45,13 @@ from ragkv.cache_engine.kv_tiers.entry_file import (
 )
 from ragkv.cache_engine.kv_tiers.namespace import StoreNamespace
 from ragkv.cache_engine.kv_tiers.payload import check_payload
+from ragkv.cache_engine.kv_tiers.private_files import (
+    create_private,
+    open_private,
+    private_dir,
+    private_root,
+    store_secret,
+)
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -59,6 +69,9 @@ LOCK_NAME = "lock"
 # A temporary file this old is never a write in progress (a block takes milliseconds): its
 # writer died, possibly under a PID now reused (containers restart as PID 1).
 TMP_STALE_S = 600.0
+# The only names this store creates (and so the only ones it ever removes).
+_NAMESPACE_NAME = re.compile(r"ns-[0-9a-f]{32}")
+_TMP_NAME = re.compile(r"[0-9a-f]+\.\d+\.\d+\.tmp")
 
 
 class DiskStore:
@@ -96,11 +109,14 @@ class DiskStore:
         self.directory = root / f"{NAMESPACE_PREFIX}{namespace.digest()}"
         self.blocks = self.directory / "blocks"
         try:
-            self.blocks.mkdir(parents=True, exist_ok=True)
+            private_root(root)
+            self._make_dirs()
+            self._key = store_secret(root)
         except OSError as exc:
             raise ConfigError(
                 f"kv_store_dir {str(root)!r} cannot be used: {exc}", param="kv_store_dir"
             ) from exc
+        self._layout = _expected_layout(namespace)
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
@@ -129,11 +145,12 @@ class DiskStore:
             self._entries.move_to_end(block_hash)
         path = self._path(block_hash)
         try:
-            with open(path, "rb") as file:
+            with os.fdopen(open_private(path), "rb") as file:
                 header = read_header(file)
                 if header.block_hash != block_hash or header.hash_input != hash_input:
                     raise DamagedEntry("the file holds another block's entry")
-                payload = read_payload(file, header)
+                self._check_layout(header)  # before allocating the payload
+                payload = read_payload(file, header, self._key)
         except FileNotFoundError:  # removed by another engine sharing the directory
             self._forget(block_hash, corrupt=False)
             return None
@@ -161,7 +178,7 @@ class DiskStore:
         if reason is not None:
             raise InvalidInputError(f"cannot store this entry on disk: {reason}", param="payload")
         payload = payload.detach().to("cpu").contiguous()
-        size = len(encode_head(block_hash, hash_input, payload, 0)) + payload.nbytes
+        size = entry_size(block_hash, hash_input, payload)
         with self._lock:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
@@ -179,7 +196,7 @@ class DiskStore:
             try:
                 written = self._write(tmp, path, block_hash, hash_input, payload)
             except FileNotFoundError:  # the tree was removed under this store: recreate it
-                self.blocks.mkdir(parents=True, exist_ok=True)
+                self._make_dirs()
                 self._write_namespace_file()
                 written = self._write(tmp, path, block_hash, hash_input, payload)
         except OSError as exc:
@@ -215,15 +232,25 @@ class DiskStore:
 
     # -- internals ---------------------------------------------------------------------------
 
-    @staticmethod
     def _write(
-        tmp: Path, path: Path, block_hash: bytes, hash_input: bytes, payload: torch.Tensor
+        self, tmp: Path, path: Path, block_hash: bytes, hash_input: bytes, payload: torch.Tensor
     ) -> int:
-        """Write the entry to ``tmp`` and rename it to ``path``; its size in bytes."""
-        with open(tmp, "wb") as file:
-            written = write_entry(file, block_hash, hash_input, payload)
+        """Write the entry to ``tmp`` (new, ``0600``) and rename it to ``path``; its size."""
+        with os.fdopen(create_private(tmp), "wb") as file:
+            written = write_entry(file, block_hash, hash_input, payload, self._key)
         os.replace(tmp, path)
         return written
+
+    def _make_dirs(self) -> None:
+        private_dir(self.directory)
+        private_dir(self.blocks)
+
+    def _check_layout(self, header: EntryHeader) -> None:
+        """An entry of another dtype or shape than this engine's blocks is refused unread."""
+        if self._layout is not None and (header.dtype, header.shape) != self._layout:
+            raise DamagedEntry(
+                f"a {header.dtype} {header.shape} payload, not this engine's block layout"
+            )
 
     def _abandon(self, tmp: Path, size: int, *, write_error: bool) -> None:
         """A write that did not happen: remove its temporary file, release its room."""
@@ -272,6 +299,8 @@ class DiskStore:
             name = entry.name
             try:
                 if name.endswith(TMP_SUFFIX):
+                    if not _TMP_NAME.fullmatch(name):
+                        continue  # not a name this store makes: never removed
                     age = time.time() - entry.stat(follow_symlinks=False).st_mtime
                     if age > TMP_STALE_S or not _writer_alive(name):
                         os.unlink(entry.path)  # a write cut short (kill -9): never renamed
@@ -293,9 +322,10 @@ class DiskStore:
 
     def _write_namespace_file(self) -> None:
         target = self.directory / "namespace.json"
-        tmp = target.with_name(f"namespace.{os.getpid()}{TMP_SUFFIX}")
+        tmp = target.with_name(f"namespace.{os.getpid()}.{next(self._tmp_names)}{TMP_SUFFIX}")
         try:
-            tmp.write_text(self.namespace.to_json())
+            with os.fdopen(create_private(tmp), "w") as file:
+                file.write(self.namespace.to_json())
             os.replace(tmp, target)  # also marks this namespace as the most recently opened
         except OSError as exc:
             logger.warning("KV disk tier: cannot write %s (%s)", target, exc)
@@ -305,8 +335,10 @@ class DiskStore:
         of the capacity; the bytes they still use."""
         others: list[tuple[float, int, Path]] = []
         for path in self.root.iterdir():
-            if path == self.directory or not path.name.startswith(NAMESPACE_PREFIX):
+            if path == self.directory or not _NAMESPACE_NAME.fullmatch(path.name):
                 continue
+            if path.is_symlink() or not path.is_dir():
+                continue  # not a namespace this store made: never removed
             opened = _mtime(path / "namespace.json") or _mtime(path)
             others.append((opened, _tree_bytes(path), path))
         others.sort()
@@ -335,7 +367,7 @@ def _lock_namespace(directory: Path, *, exclusive: bool) -> int | None:
         return None
     path = directory / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError as exc:
         logger.warning("KV disk tier: cannot open %s (%s)", path, exc)
         return None
@@ -382,3 +414,16 @@ def _tree_bytes(path: Path) -> int:
         except OSError:
             continue
     return total
+
+
+def _expected_layout(namespace: StoreNamespace) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """(dtype, shape) of this namespace's payloads when its layout names them
+    (``"LKVBHD:28x2x16x3x64"``), else None (only the format's own bounds apply)."""
+    kind, _, dims = namespace.layout.partition(":")
+    dtype = getattr(torch, namespace.dtype.removeprefix("torch."), None)
+    if kind != "LKVBHD" or not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        return dtype, tuple(int(d) for d in dims.split("x"))
+    except ValueError:
+        return None

@@ -16,15 +16,19 @@
     block hash     key_len bytes
     hash input     input_len bytes
     payload        payload_len bytes
+    mac            32 bytes: keyed blake3 of everything before it, under the store's secret
 
 Every byte is covered by one of the two checksums, so a flipped bit anywhere, a truncated
-file or a file renamed to another block's name is detected on load. A file is written to a
-temporary name and renamed into place, so a reader (or a restart after ``kill -9``) sees a
-whole file or none.
+file or a file renamed to another block's name is detected on load; the checksums catch
+damage, the MAC catches forgery: an entry is accepted only if it was written by a holder of
+the store's secret (:mod:`ragkv.cache_engine.kv_tiers.private_files`). A file is written to
+a temporary name and renamed into place, so a reader (or a restart after ``kill -9``) sees
+a whole file or none.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import struct
 from dataclasses import dataclass
@@ -32,11 +36,13 @@ from typing import BinaryIO
 
 import torch
 import xxhash
+from blake3 import blake3
 
 from ragkv.cache_engine.kv_tiers.payload import DTYPE_CODES, DTYPES_BY_CODE, payload_bytes
 
 MAGIC = b"RAGKVBLK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the MAC trailer
+MAC_LEN = 32
 MAX_NDIM = 8
 MAX_INPUT_LEN = 1 << 24  # a hash input is a few hundred bytes; anything huge is damage
 MAX_KEY_LEN = 64
@@ -57,6 +63,7 @@ class EntryHeader:
     hash_input: bytes
     payload_len: int
     payload_sum: int
+    head: bytes  # the header's bytes as read, which the MAC covers
 
 
 def storable(block_hash: bytes, hash_input: bytes, payload: torch.Tensor) -> str | None:
@@ -88,13 +95,22 @@ def encode_head(block_hash: bytes, hash_input: bytes, payload: torch.Tensor, pay
     return _HEAD.pack(*fields, head_sum) + rest
 
 
-def write_entry(file: BinaryIO, block_hash: bytes, hash_input: bytes, payload: torch.Tensor):
-    """Write one whole entry for a contiguous CPU ``payload``; returns its size in bytes."""
+def entry_size(block_hash: bytes, hash_input: bytes, payload: torch.Tensor) -> int:
+    """Bytes the entry's file takes."""
+    return len(encode_head(block_hash, hash_input, payload, 0)) + payload.nbytes + MAC_LEN
+
+
+def write_entry(
+    file: BinaryIO, block_hash: bytes, hash_input: bytes, payload: torch.Tensor, key: bytes
+) -> int:
+    """Write one whole entry for a contiguous CPU ``payload``, authenticated under ``key``
+    (32 bytes); returns its size in bytes."""
     data = payload_bytes(payload)
     head = encode_head(block_hash, hash_input, payload, xxhash.xxh3_64_intdigest(data))
     file.write(head)
     file.write(memoryview(data))
-    return len(head) + payload.nbytes
+    file.write(_mac(key, head, data))
+    return len(head) + payload.nbytes + MAC_LEN
 
 
 def read_header(file: BinaryIO) -> EntryHeader:
@@ -128,22 +144,41 @@ def read_header(file: BinaryIO) -> EntryHeader:
         raise DamagedEntry("payload length does not match its shape")
     key_end = 4 * ndim + key_len
     return EntryHeader(
-        dtype, shape, rest[4 * ndim : key_end], rest[key_end:], payload_len, payload_sum
+        dtype,
+        shape,
+        rest[4 * ndim : key_end],
+        rest[key_end:],
+        payload_len,
+        payload_sum,
+        fixed + rest,
     )
 
 
-def read_payload(file: BinaryIO, header: EntryHeader) -> torch.Tensor:
-    """Read the payload after :func:`read_header` into a fresh tensor, checksum verified."""
+def read_payload(file: BinaryIO, header: EntryHeader, key: bytes) -> torch.Tensor:
+    """Read the payload after :func:`read_header` into a fresh tensor; checksum and MAC
+    (under ``key``) verified. Check the header's dtype and shape against what the reader
+    expects first: this allocates ``payload_len`` bytes."""
     # The file's size is checked before allocating, so a damaged length cannot ask for more.
-    if os.fstat(file.fileno()).st_size - file.tell() != header.payload_len:
+    if os.fstat(file.fileno()).st_size - file.tell() != header.payload_len + MAC_LEN:
         raise DamagedEntry("payload length differs from the header's")
     payload = torch.empty(header.shape, dtype=header.dtype)
     data = payload_bytes(payload)
-    if file.readinto(memoryview(data)) != header.payload_len or file.read(1):
+    if file.readinto(memoryview(data)) != header.payload_len:
+        raise DamagedEntry("payload length differs from the header's")
+    mac = file.read(MAC_LEN + 1)
+    if len(mac) != MAC_LEN:
         raise DamagedEntry("payload length differs from the header's")
     if xxhash.xxh3_64_intdigest(data) != header.payload_sum:
         raise DamagedEntry("payload checksum mismatch")
+    if not hmac.compare_digest(mac, _mac(key, header.head, data)):
+        raise DamagedEntry("not written with this store's secret (MAC mismatch)")
     return payload
+
+
+def _mac(key: bytes, head: bytes, data: object) -> bytes:
+    hasher = blake3(head, key=key)
+    hasher.update(data)
+    return hasher.digest()
 
 
 def _head_checksum(fixed_with_zero_sum: bytes, rest: bytes) -> int:

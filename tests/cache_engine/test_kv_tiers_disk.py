@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -41,12 +42,13 @@ def entry_files(store: DiskStore) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_disk_round_trip_is_bit_identical_and_survives_a_reopen(tmp_path, dtype):
-    store = DiskStore(tmp_path, 1 << 20, NS)
+    ns = dataclasses.replace(NS, dtype=str(dtype).removeprefix("torch."))
+    store = DiskStore(tmp_path, 1 << 20, ns)
     h, hash_input, payload = block(1, dtype)
     assert store.put(h, hash_input, payload)
     got = store.get(h, hash_input)
     assert got is not None and same_bits(got, payload)
-    reopened = DiskStore(tmp_path, 1 << 20, NS)
+    reopened = DiskStore(tmp_path, 1 << 20, ns)
     assert reopened.contains(h)
     got = reopened.get(h, hash_input)
     assert got is not None and same_bits(got, payload)
