@@ -497,3 +497,27 @@ def test_an_engine_failure_is_a_500_that_keeps_the_connection_alive(
     connection.request("POST", "/v1/completions", body=body, headers=headers)  # same socket
     assert connection.getresponse().status == 200
     connection.close()
+
+
+def test_a_tenant_of_the_same_name_on_another_deployment_shares_nothing(start_server):
+    """Two servers over one cache (here one engine; a shared disk store is the same case):
+    tenant "acme" of one deployment never reads the blocks of "acme" of another, unless the
+    operator gives both the same tenant secret."""
+    prompt = {"prompt": list(range(5, 101)), "max_tokens": 1, "temperature": 0}
+
+    def cached(url: str, key: str) -> int:
+        response = httpx.post(
+            url + "/v1/completions", json=prompt, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = start_server(api_key=None, api_keys={"key-one-0123": "acme"})
+    other = start_server(api_key=None, api_keys={"key-two-0123": "acme"})
+    assert cached(first, "key-one-0123") == 0
+    assert cached(first, "key-one-0123") > 0  # the deployment's own cache works
+    assert cached(other, "key-two-0123") == 0  # same tenant name, other deployment
+    shared_a = start_server(api_key=None, api_keys={"key-3-0123456": "acme"}, tenant_secret="s")
+    shared_b = start_server(api_key=None, api_keys={"key-4-0123456": "acme"}, tenant_secret="s")
+    assert cached(shared_a, "key-3-0123456") == 0
+    assert cached(shared_b, "key-4-0123456") > 0  # one secret: one namespace, on purpose

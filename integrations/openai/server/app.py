@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ from ragkv.integrations.openai.server.cli import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_REQUEST_TIMEOUT_S,
     LOOPBACK_HOSTS,
+    TENANT_SECRET_ENV,
 )
 from ragkv.integrations.openai.server.errors import (
     ClientGone,
@@ -91,6 +93,7 @@ def create_app(
     model_name: str | None = None,
     reuse: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    tenant_secret: str | bytes | None = None,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -107,7 +110,9 @@ def create_app(
     [...], "reuse": "blend"}``; their answers are approximate and their usage says how many
     prompt tokens were reused that way (``reused_nonprefix_tokens``). A chat request that
     sets no ``max_tokens`` generates at most ``default_max_tokens`` (within the context); it
-    may ask for more. Every request logs one line to ``ragkv.serve.access`` (see
+    may ask for more. Tenants' cache namespaces are keyed by a deployment secret
+    (``tenant_secret``, else ``$RAGKV_TENANT_SECRET``, else a digest of the API keys; see
+    :func:`~ragkv.integrations.openai.server.auth.deployment_secret`). Every request logs one line to ``ragkv.serve.access`` (see
     :mod:`~ragkv.integrations.openai.server.access_log`).
     """
     from ragkv.pipeline import Pipeline
@@ -156,9 +161,13 @@ def create_app(
     app.state.ragkv = served
     _add_routes(app, served, None if local is None else local.runner.vocab_size)
     add_error_handlers(app)
+    tenants = tenant_keys(api_key, api_keys)
+    served.tenant_secret = auth.deployment_secret(
+        tenants, tenant_secret or os.environ.get(TENANT_SECRET_ENV)
+    )
     app.add_middleware(
         Gate,
-        tenants=tenant_keys(api_key, api_keys),
+        tenants=tenants,
         allowed_hosts=host_names(LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts),
         max_body_bytes=max_body_bytes,
         metrics=served.metrics,
@@ -265,7 +274,7 @@ async def _parse(
     _check_model(parsed, served)
     tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
     parsed.tenant = tenant
-    parsed.cache_salt = auth.tenant_salt(tenant, parsed.cache_salt)
+    parsed.cache_salt = auth.tenant_salt(tenant, parsed.cache_salt, served.tenant_secret)
     return parsed
 
 

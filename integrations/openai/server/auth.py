@@ -28,19 +28,37 @@ logger = logging.getLogger(__name__)
 _OPEN_ROUTES = frozenset({"/health"})
 
 
-def tenant_salt(tenant: str, client_salt: str | None) -> str:
+def tenant_salt(tenant: str, client_salt: str | None, secret: bytes = b"") -> str:
     """The cache salt the engine sees for a request of ``tenant`` with the client's ``cache_salt``.
 
     A fixed-size hex digest (the engine caps salts at 256 UTF-8 bytes; a client's salt can be
-    any length), over the tenant's name length-prefixed, then the client's salt tagged as
-    present or absent: no (tenant, salt) pair can reach another tenant's namespace.
+    any length): HMAC-SHA256 under the deployment's ``secret`` (:func:`deployment_secret`)
+    over the tenant's name length-prefixed, then the client's salt tagged as present or
+    absent. No (tenant, salt) pair can reach another tenant's namespace, and a server with
+    another secret (other API keys) never reaches this one's, even for a tenant of the same
+    name on a shared KV store directory.
     """
     name = tenant.encode()
-    digest = hashlib.sha256(b"ragkv-tenant-salt\0")
+    digest = hmac.new(secret, b"ragkv-tenant-salt\0", hashlib.sha256)
     digest.update(len(name).to_bytes(8, "little") + name)
     if client_salt is not None:
         digest.update(b"\1" + client_salt.encode())
     return digest.hexdigest()
+
+
+def deployment_secret(tenants: Mapping[str, str] | None, secret: str | bytes | None) -> bytes:
+    """The key of every tenant's cache namespace: the operator's ``secret``
+    (``$RAGKV_TENANT_SECRET``) if given, else a digest of the configured API keys (so two
+    servers with other keys never share a tenant's cached blocks; rotating keys then starts
+    every tenant's cache afresh), else empty (a keyless server: one anonymous tenant)."""
+    if secret:
+        return secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not tenants:
+        return b""
+    digest = hashlib.sha256(b"ragkv-deployment\0")
+    for key in sorted(tenants):
+        digest.update(len(key).to_bytes(8, "little") + key.encode())
+    return digest.digest()
 
 
 def tenant_keys(api_key: str | None, api_keys: Mapping[str, str] | None) -> dict[str, str] | None:

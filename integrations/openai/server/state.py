@@ -26,3 +26,4 @@ class Served:
     metrics: ServerMetrics
     reuse: str | None = None  # "blend": requests may opt into chunk reuse (--reuse blend)
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a chat request without max_tokens
+    tenant_secret: bytes = b""  # keys the tenants' cache namespaces (auth.deployment_secret)
