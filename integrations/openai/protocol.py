@@ -15,6 +15,7 @@ vLLM extensions understood: ``cache_salt``, ``top_k``, ``min_p``, ``stop_token_i
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +31,10 @@ from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.integrations.openai.server.cli import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
+    DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_RAG_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_TEXT_BYTES,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -73,8 +76,10 @@ class RequestLimits:
 
     One huge RAG request stalls everyone (tokenizing and hashing megabytes holds the GIL
     and the assembler), so chunks are bounded one by one, in number and in total UTF-8
-    bytes. ``max_prompt_tokens`` (None: the model context) bounds the prompt after
-    tokenization, and a token-id prompt before anything else.
+    bytes. The rest of the prompt's text (messages, a string prompt, ``ragkv.system``) is
+    bounded in UTF-8 bytes (``max_text_bytes``) and messages in number (``max_messages``),
+    also before any tokenization. ``max_prompt_tokens`` (None: the model context) bounds the
+    prompt after tokenization, and a token-id prompt before anything else.
     """
 
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
@@ -82,9 +87,12 @@ class RequestLimits:
     max_rag_bytes: int = DEFAULT_MAX_RAG_BYTES
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_prompt_tokens: int | None = None
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("max_chunk_bytes", "max_chunks", "max_rag_bytes", "max_stop_strings"):
+        names = ("max_chunk_bytes", "max_chunks", "max_rag_bytes", "max_stop_strings")
+        for name in (*names, "max_messages", "max_text_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1", param=name)
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -124,6 +132,8 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Gene
     body = _object(body)
     request = _common(body, limits, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
     request.prompt = _prompt(body.get("prompt"))
+    if isinstance(request.prompt, str):
+        check_text_bytes([request.prompt], limits, "prompt")
     if isinstance(request.prompt, list):
         check_prompt_tokens(len(request.prompt), limits, "prompt")
     if _get(body, "echo", bool, False):
@@ -140,7 +150,7 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> Generation
     newer = _get(body, "max_completion_tokens", int, None)
     if newer is not None:
         request.max_tokens = newer
-    request.messages = _messages(body.get("messages"))
+    request.messages = _messages(body.get("messages"), limits)
     if _get(body, "logprobs", bool, False) or _get(body, "top_logprobs", int, None):
         raise _unsupported("logprobs")
     for name in ("tools", "functions", "response_format"):
@@ -161,6 +171,16 @@ def check_prompt_tokens(count: int, limits: RequestLimits, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def may_hold_lone_surrogate(raw: bytes) -> bool:
+    """Whether a JSON body could decode to a lone surrogate: only a ``\\ud800``-``\\udfff``
+    escape can produce one (raw UTF-8 cannot encode it). One O(bytes) scan, so a large body
+    without such an escape is never walked field by field."""
+    return _SURROGATE_ESCAPE.search(raw) is not None
 
 
 def find_lone_surrogate(body: Any) -> str | None:
@@ -255,16 +275,47 @@ def _prompt(prompt: Any) -> str | list[int]:
     )
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(messages: Any, limits: RequestLimits) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
+    if len(messages) > limits.max_messages:
+        raise APIError(
+            400,
+            f"messages has {len(messages)} entries; this server accepts at most "
+            f"{limits.max_messages}",
+            param="messages",
+        )
     parsed = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"{param} must be an object with a string role", param=param)
+        if message["role"] not in ROLES:  # a role is template text: never free-form
+            raise APIError(
+                400, f"{param}.role must be one of {', '.join(ROLES)}", param=f"{param}.role"
+            )
         parsed.append({"role": message["role"], "content": _content(message.get("content"), param)})
+    check_text_bytes([m["content"] for m in parsed], limits, "messages")
     return parsed
+
+
+def check_text_bytes(texts: list[str], limits: RequestLimits, param: str) -> None:
+    """Refuse prompt text over ``limits.max_text_bytes`` UTF-8 bytes (before tokenizing)."""
+    total = 0
+    for text in texts:
+        # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
+        total += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if total > limits.max_text_bytes:
+            raise APIError(
+                400,
+                f"{param} hold more than {limits.max_text_bytes} bytes of text; this server "
+                "accepts at most that per request (send retrieved passages as ragkv.chunks)",
+                param=param,
+                code="text_too_large",
+            )
 
 
 def _content(content: Any, param: str) -> str:
@@ -337,7 +388,10 @@ def _rag(value: Any, limits: RequestLimits) -> RagContext:
                 raise APIError(400, f"{param} must be a string or {{content, ...}}", param=param)
         except InvalidInputError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from exc
-    return RagContext(parsed, _get(value, "system", str, None, "ragkv."), _reuse(value))
+    system = _get(value, "system", str, None, "ragkv.")
+    if system is not None:
+        check_text_bytes([system], limits, "ragkv.system")
+    return RagContext(parsed, system, _reuse(value))
 
 
 MAX_REUSE_K = 1024  # tokens recomputed per reused chunk: more is a full recompute anyway

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ragkv.cache_engine.sampling_params import OPENAI_SEED_MAX, OPENAI_SEED_MIN
-from ragkv.integrations.openai.protocol import RequestLimits
+from ragkv.integrations.openai.protocol import ROLES, RequestLimits
 
 
 def request_schemas(
@@ -118,10 +118,14 @@ def request_schemas(
             "messages": {
                 "type": "array",
                 "minItems": 1,
+                "maxItems": limits.max_messages,
                 "items": {
                     "type": "object",
                     "required": ["role"],
-                    "properties": {"role": {"type": "string"}, "content": content},
+                    "properties": {
+                        "role": {"type": "string", "enum": list(ROLES)},
+                        "content": content,
+                    },
                 },
             },
             "ragkv": {

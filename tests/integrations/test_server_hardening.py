@@ -521,3 +521,41 @@ def test_a_tenant_of_the_same_name_on_another_deployment_shares_nothing(start_se
     shared_b = start_server(api_key=None, api_keys={"key-4-0123456": "acme"}, tenant_secret="s")
     assert cached(shared_a, "key-3-0123456") == 0
     assert cached(shared_b, "key-4-0123456") > 0  # one secret: one namespace, on purpose
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x" * (70 << 10)}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}] * 9}, "messages"),
+        ({"messages": [{"role": "x" * 5000, "content": "hi"}]}, "messages[0].role"),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}],
+                "ragkv": {"chunks": [], "system": "s" * (70 << 10)},
+            },
+            "ragkv.system",
+        ),
+    ],
+    ids=["text-bytes", "message-count", "unknown-role", "rag-system-bytes"],
+)
+def test_all_prompt_text_is_bounded_before_tokenizing(start_server, api_key, body, param):
+    from ragkv.integrations.openai.protocol import RequestLimits
+
+    url = start_server(limits=RequestLimits(max_text_bytes=64 << 10, max_messages=8))
+    response = httpx.post(
+        url + "/v1/chat/completions",
+        json={**body, "max_tokens": 1},
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_the_surrogate_scan_skips_bodies_without_an_escape():
+    from ragkv.integrations.openai.protocol import may_hold_lone_surrogate
+
+    assert not may_hold_lone_surrogate(b'{"a": "' + b"x" * 100_000 + b'"}')
+    assert may_hold_lone_surrogate(rb'{"a": "\ud800"}')
+    assert may_hold_lone_surrogate(rb'{"a": "\uDBFF"}')
+    assert not may_hold_lone_surrogate(rb'{"a": "\u00e9"}')

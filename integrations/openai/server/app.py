@@ -285,7 +285,7 @@ def _decode(
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-    bad = proto.find_lone_surrogate(body)
+    bad = proto.find_lone_surrogate(body) if proto.may_hold_lone_surrogate(raw) else None
     if bad is not None:
         raise APIError(
             400,
