@@ -307,18 +307,22 @@ def test_chat_without_max_tokens_fits_a_pool_smaller_than_the_context(
 
 
 def test_health_reports_the_engine_and_answers_503_once_it_cannot_serve(
-    serve_model_dir, start_server
+    serve_model_dir, start_server, api_key
 ):
     from ragkv.cache_engine import Engine
 
     engine = Engine.from_pretrained(serve_model_dir, device="cpu", kv_cache_tokens=256)
     url = start_server(engine=engine)
     engine.generate([5, 6, 7], SamplingParams(max_tokens=1))
-    ok = httpx.get(f"{url}/health", timeout=60)
+    probe = httpx.get(f"{url}/health", timeout=60)  # no key: the verdict, no internals
+    assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+    key = {"Authorization": f"Bearer {api_key}"}
+    ok = httpx.get(f"{url}/health", timeout=60, headers=key)
     assert ok.status_code == 200
     assert ok.json()["status"] == "ok" and ok.json()["thread_alive"] is True
     assert ok.json()["consecutive_failures"] == 0
     engine.close()
-    down = httpx.get(f"{url}/health", timeout=60)
+    assert httpx.get(f"{url}/health", timeout=60).json() == {"status": "unhealthy"}
+    down = httpx.get(f"{url}/health", timeout=60, headers=key)
     assert down.status_code == 503
     assert down.json() == {"status": "unhealthy", "reason": "the engine is closed"}

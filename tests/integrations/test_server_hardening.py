@@ -559,3 +559,19 @@ def test_the_surrogate_scan_skips_bodies_without_an_escape():
     assert may_hold_lone_surrogate(rb'{"a": "\ud800"}')
     assert may_hold_lone_surrogate(rb'{"a": "\uDBFF"}')
     assert not may_hold_lone_surrogate(rb'{"a": "\u00e9"}')
+
+
+def test_metrics_of_a_multi_tenant_server_need_the_admin_key(start_server):
+    keys = {"key-alice-0123": "alice", "key-bob-012345": "bob"}
+    url = start_server(api_key=None, api_keys=keys, admin_key="admin-key-0123")
+
+    def metrics(key: str) -> httpx.Response:
+        return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+
+    refused = metrics("key-alice-0123")  # a tenant would see every tenant's traffic
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+    assert metrics("admin-key-0123").status_code == 200
+    assert metrics("wrong").status_code == 403
+    no_admin = start_server(api_key=None, api_keys=keys)
+    assert httpx.get(no_admin + "/metrics", headers={"Authorization": "Bearer key-bob-012345"}
+                     ).status_code == 403  # fmt: skip

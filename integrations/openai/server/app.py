@@ -58,6 +58,7 @@ from ragkv.integrations.openai.server import auth
 from ragkv.integrations.openai.server.access_log import AccessLog
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
 from ragkv.integrations.openai.server.cli import (
+    ADMIN_KEY_ENV,
     ANONYMOUS_TENANT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -94,6 +95,7 @@ def create_app(
     reuse: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     tenant_secret: str | bytes | None = None,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -112,7 +114,10 @@ def create_app(
     sets no ``max_tokens`` generates at most ``default_max_tokens`` (within the context); it
     may ask for more. Tenants' cache namespaces are keyed by a deployment secret
     (``tenant_secret``, else ``$RAGKV_TENANT_SECRET``, else a digest of the API keys; see
-    :func:`~ragkv.integrations.openai.server.auth.deployment_secret`). Every request logs one line to ``ragkv.serve.access`` (see
+    :func:`~ragkv.integrations.openai.server.auth.deployment_secret`). ``/metrics`` counts
+    every tenant's traffic: on a server with several tenants only ``admin_key`` (else
+    ``$RAGKV_ADMIN_KEY``) reads it; ``/health`` without a key says only ok or unhealthy.
+    Every request logs one line to ``ragkv.serve.access`` (see
     :mod:`~ragkv.integrations.openai.server.access_log`).
     """
     from ragkv.pipeline import Pipeline
@@ -171,6 +176,7 @@ def create_app(
         allowed_hosts=host_names(LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts),
         max_body_bytes=max_body_bytes,
         metrics=served.metrics,
+        admin_key=admin_key or os.environ.get(ADMIN_KEY_ENV),
     )
     app.add_middleware(AccessLog)  # outermost: refused requests log too
     return app
@@ -188,15 +194,19 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     )
 
     @app.get("/health")
-    async def health() -> Response:
-        # 503 lets a supervisor restart a server whose engine died or keeps failing.
+    async def health(request: Request) -> Response:
+        # 503 lets a supervisor restart a server whose engine died or keeps failing. Without
+        # an API key (a probe), only the verdict: the engine's internals are a key holder's.
         if served.local is None:  # a remote engine reports no health here
             return Response(status_code=200)
         report = served.local.health()
+        status = "ok" if report.ok else "unhealthy"
+        if "ragkv_tenant" not in request.scope.get("state", {}):
+            return JSONResponse({"status": status}, 200 if report.ok else 503)
         if not report.ok:
-            return JSONResponse({"status": "unhealthy", "reason": report.reason}, 503)
+            return JSONResponse({"status": status, "reason": report.reason}, 503)
         fields = {f: getattr(report, f) for f in report.__dataclass_fields__}
-        return JSONResponse({"status": "ok", **fields})
+        return JSONResponse({"status": status, **fields})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -90,8 +90,12 @@ class Gate:
         allowed_hosts: frozenset[str] | None,
         max_body_bytes: int,
         metrics: ServerMetrics,
+        admin_key: str | None = None,
     ) -> None:
         self.app = app
+        self.admin = None if not admin_key else hashlib.sha256(admin_key.encode()).digest()
+        # /metrics counts every tenant's traffic: with several tenants, only the admin key.
+        self.metrics_need_admin = tenants is not None and len(set(tenants.values())) > 1
         # Digests have one length, so comparing them leaks nothing about a key's length.
         self.keys = (
             None
@@ -128,7 +132,11 @@ class Gate:
     def _refuse(self, scope: dict) -> APIError | None:
         """The error that refuses this request before it reaches a route, else None; on
         success the request's tenant is in ``scope["state"]["ragkv_tenant"]``."""
-        if scope["path"] in _OPEN_ROUTES:
+        headers = dict(scope["headers"])
+        if scope["path"] in _OPEN_ROUTES:  # answered to anyone; details only to a key holder
+            tenant = self._tenant(headers.get(b"authorization", b"")) if self.keys else None
+            if tenant is not None:
+                scope.setdefault("state", {})["ragkv_tenant"] = tenant
             return None
         hosts = [v for k, v in scope["headers"] if k == b"host"]
         if self.allowed_hosts is not None and (
@@ -139,7 +147,17 @@ class Gate:
                 "this server does not answer to that Host name; add it to --allowed-hosts",
                 code="host_not_allowed",
             )
-        headers = dict(scope["headers"])
+        if scope["path"] == "/metrics" and (self.admin or self.metrics_need_admin):
+            if not self._is_admin(headers.get(b"authorization", b"")):
+                return APIError(
+                    403,
+                    "/metrics covers every tenant's traffic: send the admin key "
+                    "($RAGKV_ADMIN_KEY when the server started)",
+                    type="permission_error",
+                    code="admin_key_required",
+                )
+            scope.setdefault("state", {})["ragkv_tenant"] = "admin"
+            return None
         tenant = self._tenant(headers.get(b"authorization", b""))
         if tenant is None:
             return APIError(
@@ -159,6 +177,13 @@ class Gate:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return too_large(self.max_body_bytes)
         return None
+
+    def _is_admin(self, authorization: bytes) -> bool:
+        if self.admin is None:
+            return False
+        scheme, _, token = authorization.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(digest, self.admin) and scheme.lower() == b"bearer"
 
     def _tenant(self, authorization: bytes) -> str | None:
         if self.keys is None:

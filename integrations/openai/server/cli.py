@@ -20,7 +20,8 @@ from ragkv.errors import ConfigError, MissingDependencyError
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGKV_API_KEY"
-TENANT_SECRET_ENV = "RAGKV_TENANT_SECRET"  # keys tenants' cache namespaces (never a flag: ps)
+TENANT_SECRET_ENV = "RAGKV_TENANT_SECRET"
+ADMIN_KEY_ENV = "RAGKV_ADMIN_KEY"  # reads /metrics on a server with several tenants  # keys tenants' cache namespaces (never a flag: ps)
 # Defaults of create_app (and of the protocol's RequestLimits) too; kept here because this
 # module must import no framework.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
