@@ -78,3 +78,53 @@ def test_kv_tier_flags_default_to_the_engine_config_and_parse():
     assert (args.kv_tier_write_policy, args.kv_store_salted) == ("write-through", False)
     with pytest.raises(SystemExit):
         parse("--kv-tier-write-policy", "write-around")
+
+
+def test_sigterm_closes_the_engine_so_the_kv_store_is_written_back(tmp_path):
+    """A supervisor stops servers with SIGTERM: host-tier blocks must reach the disk tier
+    (write-back at close) as they do on Ctrl-C."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from support import save_tiny_checkpoint
+
+    pytest.importorskip("fastapi")
+    model = save_tiny_checkpoint(tmp_path / "model", "llama", seed=3)
+    store = tmp_path / "store"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ragkv.cli", "serve", "--model", str(model), "--port", str(port),
+         "--device", "cpu", "--kv-cache-tokens", "96", "--host-cache-bytes", str(64 << 20),
+         "--kv-store-dir", str(store), "--api-key", "key-0123456789", "--no-access-log"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        for _line in range(200):  # progress bars first, then the banner
+            line = server.stdout.readline()
+            if "on http://" in line or not line:
+                break
+        assert "on http://" in line
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for _attempt in range(100):  # uvicorn binds just after the banner
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        for i in range(4):  # 64-token prompts through a 96-token pool: blocks go to host
+            body = {"prompt": [5 + i + j for j in range(64)], "max_tokens": 1}
+            answer = httpx.post(url, json=body, headers={"Authorization": "Bearer key-0123456789"})
+            assert answer.status_code == 200, answer.text
+        assert not list(store.rglob("*.kv"))  # still in host memory (write-back)
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert list(store.rglob("*.kv")), "SIGTERM lost the host tier's blocks"

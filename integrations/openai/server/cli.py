@@ -205,9 +205,25 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.access_log:
             show_access_log()
+        close_on_shutdown(app, engine)
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
     return 0
+
+
+def close_on_shutdown(app: object, engine: object) -> None:
+    """Close ``engine`` (KV tiers write back) when the server shuts down, before uvicorn
+    re-raises the signal that stopped it: a re-raised SIGTERM ends the process at once, so
+    closing after ``uvicorn.run`` returned would never run."""
+    import asyncio
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app: object):  # type: ignore[no-untyped-def]
+        yield
+        await asyncio.to_thread(engine.close)  # type: ignore[attr-defined]
+
+    app.router.lifespan_context = lifespan  # type: ignore[attr-defined]
 
 
 def show_access_log() -> None:
