@@ -67,13 +67,22 @@ class RequestAbortedError(RagkvError):
 
 
 class RemoteEngineError(RagkvError):
-    """An OpenAI-compatible server answered with an error or could not be reached."""
+    """An OpenAI-compatible server answered with an error or could not be reached.
+
+    ``unreachable`` is True when no connection could be made at all (refused, reset before
+    a byte, connect timeout): the server's fault, never the request's."""
 
     def __init__(
-        self, message: str, *, status_code: int | None = None, param: str | None = None
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        param: str | None = None,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message, param=param)
         self.status_code = status_code
+        self.unreachable = unreachable
 
 
 class MissingDependencyError(RagkvError, ImportError):

@@ -129,7 +129,8 @@ def http_error(response: httpx.Response) -> RemoteEngineError:
 
 def transport_error(base_url: str, exc: httpx.TransportError) -> RemoteEngineError:
     kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-    return RemoteEngineError(f"request to {base_url} {kind}: {exc!r}")
+    unreachable = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    return RemoteEngineError(f"request to {base_url} {kind}: {exc!r}", unreachable=unreachable)
 
 
 def _error_message(body: Any) -> str:

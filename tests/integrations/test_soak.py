@@ -54,7 +54,7 @@ def test_the_cross_tenant_probe_catches_a_shared_namespace(soak, soak_engine, mo
     """The soak's isolation check has teeth: with tenant salts switched off it fails."""
     import ragkv.integrations.openai.server.auth as server
 
-    monkeypatch.setattr(server, "tenant_salt", lambda tenant, salt: salt)
+    monkeypatch.setattr(server, "tenant_salt", lambda tenant, salt, secret=b"": salt)
     report = soak.run_soak(
         soak_engine, seconds=3, clients=6, fault_rate=0.0, seed=2, mix={"valid": 1.0}
     )

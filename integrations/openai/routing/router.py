@@ -9,12 +9,14 @@ blocks at once (tentative, so a burst on one prefix follows the first request), 
 when the answer comes back (confirmed); an answer whose ``usage.cached_tokens`` is below
 the prediction corrects the index.
 
-Failover: a replica failure (connection error, timeout, 5xx, an in-process engine that is
-closed or unhealthy) marks the replica unhealthy for a backoff (doubling per consecutive
+Failover: a replica failure (no connection at all, a 502 or 503, an in-process engine that
+is closed or unhealthy) marks the replica unhealthy for a backoff (doubling per consecutive
 failure, capped), forgets its index (it may come back empty), and the request goes to the
-next replica of the ranking, at most ``max_attempts`` replicas in all. A 429 moves the
-request on without marking the replica. Any other error (a 4xx: the request's own fault)
-is raised at once. A stream moves on only while nothing has reached the caller; after its
+next replica of the ranking, at most ``max_attempts`` replicas in all; the last healthy
+replica is never marked down. A failure that may be the request's own (a timeout, a 500
+or 504, a broken or malformed answer) marks nothing and is re-sent at most once, so one
+slow request cannot take every replica out. A 429 moves the request on without marking
+the replica. Any other error (a 4xx: the request's own fault) is raised at once. A stream moves on only while nothing has reached the caller; after its
 first delta a failure raises :class:`~ragkv.errors.RemoteEngineError` and the request is
 never sent again. A replica whose backoff has passed is probed (``GET /health``, else
 ``/v1/models``; ``Engine.health()`` in process) when a request next needs a replica, or
@@ -132,6 +134,7 @@ class _Route:
     tried: set[int] = field(default_factory=set)
     predicted: int = 0  # blocks the current attempt's replica was expected to reuse
     last_error: BaseException | None = None
+    resent: int = 0  # re-sends after a failure that may be the request's own
 
 
 class ReplicaRouter:
@@ -463,6 +466,10 @@ class ReplicaRouter:
             if kind == "replica":
                 replica.stats.failures += 1
                 self._mark_down(replica)
+            if kind == "uncertain":
+                if route.resent >= 1:
+                    raise exc  # twice: the request's own doing, not the replicas'
+                route.resent += 1
             if kind is None:
                 raise exc
             now = time.monotonic()
@@ -480,6 +487,9 @@ class ReplicaRouter:
     def _mark_down(self, replica: _Replica) -> None:
         """Skip ``replica`` for a backoff (doubling per consecutive failure) and forget its
         index: a replica that comes back may have restarted empty. Holds the lock."""
+        if not any(r.stats.healthy for r in self._replicas if r is not replica):
+            logger.warning("replica %s failed but is the last healthy one", replica.stats.name)
+            return  # never take the last healthy replica out
         replica.backoff_s = min(self.max_backoff_s, max(self.backoff_s, 2 * replica.backoff_s))
         replica.down_until = time.monotonic() + replica.backoff_s
         replica.stats.healthy = False
@@ -615,12 +625,15 @@ def _mark_healthy(replica: _Replica) -> None:
 
 
 def _failure_kind(exc: BaseException) -> str | None:
-    """``"replica"`` (mark it down, move on), ``"busy"`` (move on), or None (raise)."""
+    """``"replica"`` (mark it down, move on), ``"busy"`` (move on), ``"uncertain"`` (maybe
+    the request's own: move on once, mark nothing), or None (raise)."""
     if isinstance(exc, RemoteEngineError):
         if exc.status_code == 429:
             return "busy"
-        if exc.status_code is None or exc.status_code >= 500:
+        if exc.unreachable or exc.status_code in (502, 503):
             return "replica"
+        if exc.status_code is None or exc.status_code >= 500:
+            return "uncertain"
         return None
     if isinstance(exc, EngineClosedError | EngineUnhealthyError | ConnectionError):
         return "replica"
