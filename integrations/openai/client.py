@@ -314,10 +314,11 @@ class RemoteEngine:
         return await self._arequest_with_retries(self._for_wire(payload), stream)
 
     def _should_fall_back(self, payload: dict[str, Any], exc: RemoteEngineError) -> bool:
-        """A refused token-id prompt switches this client to text prompts for good."""
+        """A server that does not take token-id prompts switches this client to text prompts
+        for good; any other 400 (a bad max_tokens, a prompt too long) is the request's own."""
         if isinstance(payload["prompt"], str) or not self.send_token_ids:
             return False
-        if exc.status_code not in (400, 422):
+        if exc.status_code not in (400, 422) or not _refuses_token_ids(str(exc)):
             return False
         logger.warning(
             "%s refused a token-id prompt (%s); sending text from now on", self.base_url, exc
@@ -395,6 +396,15 @@ def _is_single(prompts: Any) -> bool:
         return True
     return isinstance(prompts, Sequence) and (
         not prompts or not isinstance(prompts[0], str | Sequence)
+    )
+
+
+def _refuses_token_ids(message: str) -> bool:
+    """Whether a 400's message says the prompt's type was refused (a list of ints where the
+    server wants a string), as servers without token-id prompts word it."""
+    text = message.lower()
+    return "prompt" in text and any(
+        word in text for word in ("string", "str", "type", "token id", "integer", "list")
     )
 
 

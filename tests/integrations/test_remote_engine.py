@@ -193,6 +193,21 @@ def test_a_server_refusing_token_ids_gets_text_from_then_on():
     assert all("return_token_ids" not in b for b in text_bodies)
 
 
+def test_another_400_on_a_token_id_prompt_keeps_token_ids():
+    """A 400 that is the request's own (a bad setting) must not switch the client to text
+    prompts for good: only one saying the prompt's type was refused does."""
+    script = Script(
+        httpx.Response(400, json={"error": {"message": "max_tokens is too large"}}),
+        httpx.Response(200, json=completion("b")),
+    )
+    engine = scripted(script)
+    prompt = engine.tokenizer.encode("hello world")
+    with pytest.raises(RemoteEngineError, match="max_tokens"):
+        engine.generate(prompt, PARAMS)
+    assert engine.generate(prompt, PARAMS).text == "b"
+    assert [b["prompt"] for b in script.bodies] == [prompt, prompt]
+
+
 def test_sampling_params_and_salt_go_on_the_wire_and_defaults_stay_off():
     script = Script(httpx.Response(200, json=completion()), httpx.Response(200, json=completion()))
     engine = scripted(script, cache_salt="tenant")
