@@ -145,6 +145,7 @@ class Assembler:
         self.block_size = block_size
         self.order = check_order(order)
         self.registry = registry if registry is not None else ChunkRegistry()
+        self.registry_key = self.tokenizer.key  # a tenant's fork keeps its token ids apart
         self.residency = residency
         self.template = PromptTemplate(self.tokenizer, layout, chat_template)
         self.demote_invalidators = demote_invalidators
@@ -214,13 +215,15 @@ class Assembler:
         with self._lock:
             return self._plan(tokenized, max_prompt_tokens, residency, overrides)
 
-    def fork(self) -> Assembler:
-        """A new assembler with this one's settings, tokenizer and registry (token ids are a
-        pure function of the text) but none of its learned state: stability, learned
-        system-prompt heads, the prefix tree and the sent record start empty. One fork per
-        tenant keeps one tenant's traffic from reordering, or revealing, another's prompts."""
+    def fork(self, scope: str | None = None) -> Assembler:
+        """A new assembler with this one's settings, tokenizer and registry (one memory
+        budget) but none of its learned state: stability, learned system-prompt heads, the
+        prefix tree and the sent record start empty. One fork per tenant keeps one tenant's
+        traffic from reordering, or revealing, another's prompts. With a ``scope`` (the
+        tenant), its token ids are kept apart in the registry too: how fast a document
+        tokenizes then cannot tell one tenant what another recently sent."""
         tracker = self.tracker
-        return Assembler(
+        fork = Assembler(
             self.tokenizer.tokenizer,
             registry=self.registry,
             residency=self.residency,
@@ -229,6 +232,10 @@ class Assembler:
             ),
             **self._settings,
         )
+        if scope is not None:
+            digest = content_hash(scope.encode("utf-8", "surrogatepass")).hex()[:32]
+            fork.registry_key = f"{self.tokenizer.key}|scope:{digest}"
+        return fork
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens kept)."""
@@ -248,7 +255,7 @@ class Assembler:
         stats = AssemblyStats(order=self.order)
         statics = self._static_segments(system, few_shot, overrides)
         chunks = self._chunk_segments(raw_chunks, stats)
-        registry, key = self.registry, self.tokenizer.key
+        registry, key = self.registry, self.registry_key
         misses = 0
 
         def encode(text: str) -> list[int]:

@@ -165,7 +165,7 @@ class Pipeline:
         with self._namespaces_lock:
             assembler = self._namespaces.get(namespace)
             if assembler is None:
-                assembler = self._namespaces[namespace] = self.assembler.fork()
+                assembler = self._namespaces[namespace] = self.assembler.fork(namespace)
                 if len(self._namespaces) > self.max_namespaces:
                     self._namespaces.popitem(last=False)
             else:

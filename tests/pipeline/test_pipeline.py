@@ -248,3 +248,14 @@ def test_a_retrieval_larger_than_the_context_fits_by_dropping_the_least_relevant
         assert answer.usage.completion_tokens == 16
         with pytest.raises(ragkv.errors.PromptTooLongError, match="Pipeline"):
             e.generate(list(range(5, 405)), max_tokens=1)
+
+
+def test_one_tenant_cannot_learn_from_tokenization_speed_what_another_sent(engine, passages):
+    """Token ids are cached per tenant (isolate_by_salt): a document another tenant sent is
+    not a registry hit for this one, so timing reveals nothing across tenants."""
+    pipe = ragkv.Pipeline(engine, isolate_by_salt=True)
+    first = pipe.prepare("Q?", [passages[0]], cache_salt="tenant-a").plan.stats
+    again = pipe.prepare("Q?", [passages[0]], cache_salt="tenant-a").plan.stats
+    other = pipe.prepare("Q?", [passages[0]], cache_salt="tenant-b").plan.stats
+    assert (first.chunks_tokenized, again.chunks_reused) == (1, 1)  # a tenant's own cache
+    assert (other.chunks_tokenized, other.chunks_reused) == (1, 0)  # not the other's
