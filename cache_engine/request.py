@@ -54,6 +54,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_skipped: int = 0  # times a smaller request was admitted past it (bounded)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

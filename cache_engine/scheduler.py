@@ -11,6 +11,13 @@ After the step ran, :meth:`Scheduler.update` appends each sampled token and deci
 requests finish on it (a stop token, ``max_tokens``, the context length); stop strings need
 the text, so the output processor decides those.
 
+Fair shares: under ``fcfs``, waiting requests of several cache salts (tenants) are admitted
+round-robin across salts, each salt's own requests in arrival order, so one tenant's burst
+cannot hold another tenant's requests behind it. When the request at the head does not fit
+the pool, at most ``MAX_SKIP_AHEAD`` requests behind it that do fit are admitted past it in
+a step; a request is passed at most ``MAX_TIMES_SKIPPED`` times in all, then it waits at the
+head until it fits (bounded: a large request is delayed, never starved).
+
 A request whose own scheduling work raises (hashing its blocks, a lookup, an allocation)
 is taken out of the queues alone and reported in ``SchedulerOutput.failed``; the others
 are scheduled as if it had never been there (Invariant 9).
@@ -38,6 +45,9 @@ from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.errors import CacheCapacityError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
+
+MAX_SKIP_AHEAD = 8  # requests admitted past a head that does not fit, per step
+MAX_TIMES_SKIPPED = 16  # times one request may be passed before everyone waits for it
 
 
 @dataclass(slots=True)
@@ -195,6 +205,15 @@ class Scheduler:
         self._resume_loaded()
         if self.config.schedule_policy == "longest-prefix" and len(self.waiting) > 1:
             self._order_by_cached_prefix(out)
+        elif len(self.waiting) > 1:
+            self._order_fairly()
+        passed: list[Request] = []  # heads that did not fit, admitted past (put back after)
+        try:
+            self._admit_waiting(out, budget, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
@@ -228,6 +247,16 @@ class Scheduler:
                 self._fail(request, exc, out)
                 continue
             if allocated is None:
+                if (
+                    not staged
+                    and plan is None
+                    and len(passed) < MAX_SKIP_AHEAD
+                    and request.num_skipped < MAX_TIMES_SKIPPED
+                    and len(self.waiting) > 1
+                ):
+                    request.num_skipped += 1  # a smaller one behind it may fit: look past it
+                    passed.append(self.waiting.popleft())
+                    continue
                 break
             request.blend_tried = True
             if self.config.enable_prefix_caching:  # counted once admitted, not per retry
@@ -305,6 +334,20 @@ class Scheduler:
             self.num_blend_fallbacks += 1
             return None
         return plan
+
+    def _order_fairly(self) -> None:
+        """Round-robin across salts (tenants), each salt's requests in queue order; salts
+        take turns in the order of their first waiting request. One salt: unchanged."""
+        by_salt: dict[bytes | None, list[Request]] = {}
+        for request in self.waiting:
+            by_salt.setdefault(request.salt_digest, []).append(request)
+        if len(by_salt) < 2:
+            return
+        queues = list(by_salt.values())
+        fair: list[Request] = []
+        for turn in range(max(map(len, queues))):
+            fair.extend(queue[turn] for queue in queues if turn < len(queue))
+        self.waiting = deque(fair)
 
     def _order_by_cached_prefix(self, out: SchedulerOutput) -> None:
         cached: dict[Request, int] = {}

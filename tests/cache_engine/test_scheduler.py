@@ -196,3 +196,46 @@ def test_update_finishes_on_a_stop_token_then_on_max_tokens_then_on_the_context(
 
 def kv_free(scheduler: Scheduler) -> int:
     return scheduler.kv.num_free_blocks
+
+
+def _request(rid: str, n: int, salt: bytes | None = None, start: int = 0) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=1), salt)
+
+
+def test_waiting_requests_of_several_tenants_are_admitted_round_robin():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=3))
+    for i in range(5):  # tenant B floods first
+        scheduler.add(_request(f"b{i}", 8, b"B", start=100 * i))
+    scheduler.add(_request("a0", 8, b"A", start=999))
+    scheduler.add(_request("a1", 8, b"A", start=1999))
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["b0", "a0", "b1"]
+    # One tenant alone keeps its arrival order.
+    solo = Scheduler(KVCacheManager(num_blocks=256, block_size=4), DEFAULTS.replace(max_num_seqs=2))
+    for i in range(3):
+        solo.add(_request(f"s{i}", 8, b"S", start=100 * i))
+    assert [c.request.request_id for c in solo.schedule().chunks] == ["s0", "s1"]
+
+
+def test_a_head_that_does_not_fit_is_passed_by_smaller_requests_a_bounded_number_of_times():
+    from ragkv.cache_engine.scheduler import MAX_TIMES_SKIPPED
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)  # 32 tokens in all
+    config = DEFAULTS.replace(max_num_batched_tokens=64)
+    scheduler = Scheduler(kv, config)
+    hog = _request("hog", 24, start=0)  # 6 blocks, then a 7th as it decodes
+    hog.params = SamplingParams(max_tokens=4)
+    scheduler.add(hog)
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["hog"]
+    scheduler.update(out, [7])
+    scheduler.add(_request("big", 20, start=500))  # 5 blocks: not while hog runs
+    scheduler.add(_request("small", 3, start=900))  # 1 block: fits beside hog
+    chunks = scheduler.schedule().chunks
+    assert [c.request.request_id for c in chunks] == ["hog", "small"]
+    assert scheduler.waiting[0].request_id == "big" and scheduler.waiting[0].num_skipped == 1
+    # Bounded: once passed MAX_TIMES_SKIPPED times, the head waits and so does everyone.
+    scheduler.waiting[0].num_skipped = MAX_TIMES_SKIPPED
+    scheduler.add(_request("tiny", 2, start=950))
+    assert "tiny" not in [c.request.request_id for c in scheduler.schedule().chunks]

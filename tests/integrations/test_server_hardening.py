@@ -575,3 +575,34 @@ def test_metrics_of_a_multi_tenant_server_need_the_admin_key(start_server):
     no_admin = start_server(api_key=None, api_keys=keys)
     assert httpx.get(no_admin + "/metrics", headers={"Authorization": "Bearer key-bob-012345"}
                      ).status_code == 403  # fmt: skip
+
+
+def test_a_tenant_past_its_share_gets_429_and_others_are_still_served(serve_engine, api_key):
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
+
+    keys = {"key-flood-0123": "flood", "key-quiet-0123": "quiet"}
+    app = create_app(serve_engine, api_keys=keys, max_requests_per_tenant=2, max_requests=3)
+    served = app.state.ragkv
+    thread = ServerThread(app)
+    url = thread.start()
+    short = {"prompt": "hi", "max_tokens": 1}
+
+    def post(key: str) -> httpx.Response:
+        return httpx.post(
+            url + "/v1/completions", json=short, headers={"Authorization": f"Bearer {key}"}
+        )
+
+    try:
+        served.in_flight["flood"] = 2  # the flooding tenant's two requests are in flight
+        refused = post("key-flood-0123")
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert post("key-quiet-0123").status_code == 200  # another tenant still has room
+        served.in_flight["quiet"] = 1  # three in flight in all: the server's bound
+        assert post("key-quiet-0123").status_code == 429
+        served.in_flight.clear()
+        assert post("key-flood-0123").status_code == 200
+        assert served.in_flight == {}  # every answered request gave its slot back
+    finally:
+        thread.stop()

@@ -61,6 +61,8 @@ from ragkv.integrations.openai.server.cli import (
     ADMIN_KEY_ENV,
     ANONYMOUS_TENANT,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_REQUESTS_PER_TENANT,
     DEFAULT_REQUEST_TIMEOUT_S,
     LOOPBACK_HOSTS,
     TENANT_SECRET_ENV,
@@ -96,6 +98,8 @@ def create_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     tenant_secret: str | bytes | None = None,
     admin_key: str | None = None,
+    max_requests_per_tenant: int = DEFAULT_MAX_REQUESTS_PER_TENANT,
+    max_requests: int = DEFAULT_MAX_REQUESTS,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -117,6 +121,9 @@ def create_app(
     :func:`~ragkv.integrations.openai.server.auth.deployment_secret`). ``/metrics`` counts
     every tenant's traffic: on a server with several tenants only ``admin_key`` (else
     ``$RAGKV_ADMIN_KEY``) reads it; ``/health`` without a key says only ok or unhealthy.
+    A tenant may have ``max_requests_per_tenant`` requests in flight and the server
+    ``max_requests`` in all; past them a request gets 429 with ``Retry-After`` before it is
+    queued (the engine then admits tenants' waiting requests round-robin).
     Every request logs one line to ``ragkv.serve.access`` (see
     :mod:`~ragkv.integrations.openai.server.access_log`).
     """
@@ -138,6 +145,8 @@ def create_app(
         raise ConfigError(f"default_max_tokens must be an int, got {default_max_tokens!r}")
     if default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    if min(max_requests_per_tenant, max_requests) < 1:
+        raise ConfigError("max_requests_per_tenant and max_requests must be >= 1")
     limits = limits or RequestLimits()
     # What only an in-process engine can tell (context, vocabulary, health, stats); a
     # pipeline over a RemoteEngine is served without it.
@@ -161,6 +170,8 @@ def create_app(
         metrics=ServerMetrics(local),
         reuse=reuse,
         default_max_tokens=default_max_tokens,
+        max_requests_per_tenant=max_requests_per_tenant,
+        max_requests=max_requests,
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served

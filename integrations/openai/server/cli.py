@@ -37,6 +37,10 @@ DEFAULT_MAX_RAG_BYTES = 256 << 10
 # tokenizing like the chunks: six 7 MB chats once made another tenant's small chat take 67 s.
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGES = 256
+# Requests in flight (queued or running) per tenant and in all: past them, 429 + Retry-After.
+# A tenant's share is a quarter of the server's, so three others always find room.
+DEFAULT_MAX_REQUESTS = 256
+DEFAULT_MAX_REQUESTS_PER_TENANT = 64
 # The engine's own cap (OpenAI's 4): the flag can only lower it.
 DEFAULT_MAX_STOP_STRINGS = MAX_STOP_STRINGS
 # Host names a loopback server answers to (with any port); see --allowed-hosts.
@@ -118,6 +122,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--max-messages", type=int, default=DEFAULT_MAX_MESSAGES, help="messages per chat request"
+    )
+    parser.add_argument(
+        "--max-requests-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS_PER_TENANT,
+        help="requests one API key's tenant may have in flight; past it, 429 + Retry-After "
+        f"(default {DEFAULT_MAX_REQUESTS_PER_TENANT})",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS,
+        help=f"requests in flight in all (default {DEFAULT_MAX_REQUESTS})",
     )
     parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
     parser.add_argument(
@@ -202,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.served_model_name,
             reuse=args.reuse,
             default_max_tokens=args.default_max_tokens,
+            max_requests_per_tenant=args.max_requests_per_tenant,
+            max_requests=args.max_requests,
         )
         if args.access_log:
             show_access_log()

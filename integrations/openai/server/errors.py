@@ -65,7 +65,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error_body(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RagkvError)
     async def ragkv_error(request: Request, exc: RagkvError) -> JSONResponse:

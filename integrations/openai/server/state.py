@@ -8,7 +8,7 @@ from typing import Any
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
-from ragkv.integrations.openai.protocol import RequestLimits
+from ragkv.integrations.openai.protocol import APIError, RequestLimits
 from ragkv.integrations.openai.server.metrics import ServerMetrics
 
 
@@ -27,3 +27,30 @@ class Served:
     reuse: str | None = None  # "blend": requests may opt into chunk reuse (--reuse blend)
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a chat request without max_tokens
     tenant_secret: bytes = b""  # keys the tenants' cache namespaces (auth.deployment_secret)
+    # Admission: requests in flight (queued in the engine or running) per tenant and in all.
+    max_requests_per_tenant: int = 64
+    max_requests: int = 256
+    in_flight: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def admit(self, tenant: str) -> None:
+        """Count a request in, or refuse it (429, ``Retry-After``) when its tenant, or the
+        server, already has its share in flight. The event loop runs this, so no lock."""
+        total = sum(self.in_flight.values())
+        mine = self.in_flight.get(tenant, 0)
+        if mine >= self.max_requests_per_tenant or total >= self.max_requests:
+            which = "this API key's" if mine >= self.max_requests_per_tenant else "the server's"
+            raise APIError(
+                429,
+                f"{which} limit of requests in flight is reached; retry shortly",
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight[tenant] = mine + 1
+
+    def release(self, tenant: str) -> None:
+        left = self.in_flight.get(tenant, 0) - 1
+        if left > 0:
+            self.in_flight[tenant] = left
+        else:
+            self.in_flight.pop(tenant, None)

@@ -55,13 +55,20 @@ async def generate(
     deadline = asyncio.get_running_loop().time() + served.request_timeout_s
     request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
     # ``reuse``: chunk_spans / reuse for the engine (opt-in chunk reuse; see app._chat_prompt)
+    tenant = parsed.tenant or ""
+    served.admit(tenant)  # 429 past the tenant's (or the server's) share, before queueing
     stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt, **(reuse or {}))
     served.metrics.in_flight.inc()
+
+    def done() -> None:
+        served.metrics.in_flight.dec()
+        served.release(tenant)
+
     try:
         # The first delta comes before any header, so a bad request still gets a 4xx.
         first = await _guarded(request, anext(stream), deadline)
     except BaseException:
-        served.metrics.in_flight.dec()
+        done()
         await stream.aclose()
         raise
     if parsed.stream:
@@ -71,7 +78,7 @@ async def generate(
         )  # fmt: skip
 
         async def cleanup() -> None:
-            served.metrics.in_flight.dec()
+            done()
             await events.aclose()
             await stream.aclose()
 
@@ -79,7 +86,7 @@ async def generate(
     try:
         output = first.output or await _guarded(request, _last_output(stream), deadline)
     finally:
-        served.metrics.in_flight.dec()
+        done()
         await stream.aclose()
     request.state.ragkv_usage = output.usage  # for the access log
     build = responses.chat_body if chat else responses.completion_body
