@@ -416,3 +416,13 @@ def test_the_last_healthy_replica_is_never_marked_down():
     assert [r.healthy for r in router.stats().replicas] == [False, True]
     replicas[1].fail = None
     assert served_by(ask(router, doc(0), 3)) == "r1"  # still in service: it answers again
+
+
+def test_session_ids_are_kept_as_fixed_size_digests():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas)
+    huge = "s" * 1_000_000  # a client controls its session id: any length
+    router.generate(doc(0) + [1], session_id=huge)
+    router.generate(doc(1) + [1], session_id=huge)
+    ((salt, key),) = router._sessions  # one session, remembered by a 32-hex digest
+    assert len(key) == 32

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import logging
 import threading
 import time
@@ -389,7 +390,12 @@ class ReplicaRouter:
         salt_digest = digest_salt(salt) if salt is not None else None
         hashes = BlockHasher(self.block_size, salt_digest=salt_digest).extend(ids)
         session_id = session_id if session_id is not None else _session.get()
-        session = (salt_digest or b"", session_id) if session_id is not None else None
+        session = None
+        if session_id is not None:  # kept as a digest: a client's id is any length
+            digest = hashlib.blake2b(
+                str(session_id).encode("utf-8", "surrogatepass"), digest_size=16
+            )
+            session = (salt_digest or b"", digest.hexdigest())
         return _Route(hashes, max(len(ids) - 1, 0) // self.block_size, session)
 
     def _pick(self, route: _Route) -> _Replica:

@@ -4,6 +4,7 @@ early size check, request counting) and the tenant each key names, whose cache n
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -112,6 +113,9 @@ class Gate:
             return
         route = scope["path"]
         status = 500
+        # The request's deadline runs from here, not from after its body was parsed and
+        # tokenized (streaming.generate reads it).
+        scope.setdefault("state", {})["ragkv_arrival"] = asyncio.get_running_loop().time()
 
         async def counted_send(message: dict) -> None:
             nonlocal status

@@ -52,7 +52,9 @@ async def generate(
             room = min(local.max_model_len, local.kv_cache_tokens) - len(token_ids)
             max_tokens = max(1, min(max_tokens, room))
     params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
-    deadline = asyncio.get_running_loop().time() + served.request_timeout_s
+    arrival = request.scope.get("state", {}).get("ragkv_arrival")
+    now = asyncio.get_running_loop().time()
+    deadline = (now if arrival is None else arrival) + served.request_timeout_s
     request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
     # ``reuse``: chunk_spans / reuse for the engine (opt-in chunk reuse; see app._chat_prompt)
     tenant = parsed.tenant or ""
