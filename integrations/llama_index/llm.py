@@ -163,24 +163,50 @@ class RagKVLLM(CustomLLM):
         return stream_until(self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout)
 
     def _completions(self, deltas: Any) -> CompletionResponseGen:
-        text = ""
+        merge = _LastWithUsage()
         for delta in deltas:
-            text += delta.text
-            if delta.text or delta.output is not None:
-                yield _response(text, delta.text, delta.output)
+            yield from merge.feed(delta)
 
     async def _acompletions(
         self, ids: list[int], kwargs: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
         params = self.sampling_params(**kwargs)
         salt = kwargs.get("cache_salt", self.cache_salt)
-        text = ""
+        merge = _LastWithUsage()
         async for delta in astream_until(
             self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout
         ):
-            text += delta.text
-            if delta.text or delta.output is not None:
-                yield _response(text, delta.text, delta.output)
+            for response in merge.feed(delta):
+                yield response
+
+
+class _LastWithUsage:
+    """Completion responses from engine deltas, the last text delta carrying the usage: a
+    response is held back until the next delta shows whether it is the last, so a stream
+    never ends on an empty delta (the engine's final delta often has no text)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.held: str | None = None  # the delta text of the response not yet sent
+
+    def feed(self, delta: Any) -> list[CompletionResponse]:
+        out = []
+        if delta.output is not None:
+            if delta.text or self.held is None:
+                if self.held is not None:
+                    out.append(_response(self.text, self.held, None))
+                self.text += delta.text
+                out.append(_response(self.text, delta.text, delta.output))
+            else:
+                out.append(_response(self.text, self.held, delta.output))
+            self.held = None
+            return out
+        if delta.text:
+            if self.held is not None:
+                out.append(_response(self.text, self.held, None))
+            self.text += delta.text
+            self.held = delta.text
+        return out
 
 
 def _role(role: MessageRole | str) -> str:

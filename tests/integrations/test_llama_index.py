@@ -198,6 +198,16 @@ def test_streamed_completion_fires_an_instrumentation_event_per_token(engine, re
     )
 
 
+def test_a_completion_stream_ends_on_text_carrying_the_usage(engine):
+    llm = RagKVLLM(engine=engine, max_tokens=6)
+    responses = list(llm.stream_complete("Tell me something."))
+    assert all(r.delta for r in responses)  # no empty delta, the last one included
+    assert "".join(r.delta for r in responses) == responses[-1].text
+    assert responses[-1].raw["usage"]["completion_tokens"] >= 1
+    assert all(r.raw is None or not r.raw for r in responses[:-1])
+    assert responses[-1].text == llm.complete("Tell me something.").text
+
+
 def test_streamed_chat_fires_events_and_matches_async_chat(engine, recorder):
     llm = RagKVLLM(engine=engine, max_tokens=5)
     messages = [ChatMessage(role="user", content="Hello")]
