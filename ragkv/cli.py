@@ -39,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_weight_loading() -> None:
+    """No "Loading weights" bar from transformers on every engine load (four per bench run,
+    one per server start, in its log). The CLI owns its process, so it may say so; the
+    library itself never changes transformers' global settings."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    transformers_logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ragkv`` console script."""
     args = build_parser().parse_args(argv)
@@ -48,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the handler keeps their chatter out of the CLI whatever they do to their loggers.
     for handler in logging.getLogger().handlers:
         handler.setLevel(level)
+    if not args.verbose:
+        _quiet_weight_loading()
     try:
         return int(args.func(args) or 0)
     except RagkvError as exc:

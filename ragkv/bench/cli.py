@@ -45,14 +45,18 @@ def add_parser(subparsers: Any) -> None:
         "position-independent bound",
     )
     p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default=DEFAULTS.device)
+    p.add_argument(
+        "--device", default=DEFAULTS.device, help="auto, cpu or cuda (default %(default)s)"
+    )
     p.add_argument(
         "--dtype",
         default=DEFAULTS.dtype,
         help="auto (bf16 on CUDA, float32 on CPU: the engine's rule), float32, bfloat16, float16",
     )
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool (default: half the unique tokens)")
-    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
+    p.add_argument(
+        "--block-size", type=int, default=DEFAULTS.block_size, help="KV block (default %(default)s)"
+    )
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -80,7 +84,7 @@ def add_parser(subparsers: Any) -> None:
         help="tokens recomputed at the start of each reused chunk in the ragkv+blend lane "
         "(default: BlendConfig's, 16; 0 is naive reuse)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -100,16 +104,20 @@ def add_parser(subparsers: Any) -> None:
         "--topics", type=int, help=f"default {DEFAULT_TOPICS} ({FULL_TOPICS} with --full)"
     )
     g.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity")
-    g.add_argument("--query-variants", type=int, default=3)
-    g.add_argument("--top-k", type=int, default=4)
+    g.add_argument(
+        "--query-variants", type=int, default=3, help="retrieval phrasings per question (3)"
+    )
+    g.add_argument("--top-k", type=int, default=4, help="chunks retrieved per phrasing (4)")
     g.add_argument("--follow-up-rate", type=float, help="synthetic 0.2, production 0.3")
-    g.add_argument("--questions-per-topic", type=int, default=4)
+    g.add_argument("--questions-per-topic", type=int, default=4, help="distinct questions (4)")
     g.add_argument("--no-timestamp", action="store_true", help="no timestamp in the system prompt")
     g.add_argument("--chunk-size", type=int, default=400, help="characters per corpus window")
-    g.add_argument("--chunk-overlap", type=int, default=100)
+    g.add_argument("--chunk-overlap", type=int, default=100, help="characters (100)")
     w = p.add_argument_group("production workload (--requests, --top-k, --seed also apply)")
     w.add_argument("--passages", type=int, help="distinct passages in the pool (2 per request)")
-    w.add_argument("--duplicate-rate", type=float, default=0.05)
+    w.add_argument(
+        "--duplicate-rate", type=float, default=0.05, help="requests retrieving a passage twice"
+    )
     r = p.add_argument_group(
         "replica lanes (cache-aware routing, see docs/benchmarks.md, 'Replica lanes')"
     )
@@ -149,7 +157,12 @@ def add_parser(subparsers: Any) -> None:
     )
     k.add_argument("--kv-store-dir", help="disk tier directory (default: none; with --restart a "
                    "temporary one)")  # fmt: skip
-    k.add_argument("--kv-store-bytes", type=int, default=DEFAULTS.kv_store_bytes)
+    k.add_argument(
+        "--kv-store-bytes",
+        type=int,
+        default=DEFAULTS.kv_store_bytes,
+        help=f"disk tier bound (default {DEFAULTS.kv_store_bytes >> 30} GiB)",
+    )
     k.add_argument(
         "--kv-tier-write-policy",
         choices=KV_TIER_WRITE_POLICIES,
@@ -280,7 +293,7 @@ def _run_model_free(args: argparse.Namespace, workload: Any) -> int:
     from ragkv.bench.report import format_table
 
     config = _bench_config(args, lanes=bench_lanes(args))
-    report, _ = run_model_free(workload, config, bench_tokenizer(args.model))
+    report, results = run_model_free(workload, config, bench_tokenizer(args.model))
 
     def table(report: dict[str, Any]) -> str:
         bound = report["bounds"].get("position_independent_hit_rate")
@@ -292,6 +305,10 @@ def _run_model_free(args: argparse.Namespace, workload: Any) -> int:
         )
 
     _print_report(args, report, table)
+    if args.plot:
+        from ragkv.bench.report import plot
+
+        plot(report, results, args.plot)
     return 0
 
 

@@ -80,6 +80,8 @@ def run_model_free(
         "workload": workload.params,
         "machine": {
             "engine": "simulated (model-free)",
+            "model": "no model (simulated engine)",
+            "dtype": "-",
             "kv_cache_tokens": kv_tokens,
             "block_size": config.block_size,
             "max_tokens": config.max_tokens,

@@ -304,8 +304,9 @@ def plot(report: dict[str, Any], results: Sequence[LaneResult], path: str | Path
     bottom = [a + b for a, b in zip(computed, cached, strict=True)]
     bars.bar(names, removed, bottom=bottom, label="removed by dedup", hatch="//", alpha=0.5)
     bars.set_ylabel("prompt tokens")
+    bars.tick_params(axis="x", labelrotation=15)
     bars.set_title("Where the prompt tokens went")
-    bars.legend()
+    bars.legend(loc="upper left", bbox_to_anchor=(0.0, -0.12), ncols=3, fontsize="small")
     box.boxplot([[r.ttft_s for r in res.records] for res in results], tick_labels=names)
     box.set_ylabel("seconds")
     box.set_title("Time to first token")
