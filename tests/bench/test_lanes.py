@@ -166,6 +166,6 @@ def test_quick_is_a_small_run_and_refuses_full(capsys, tiny_model):
     assert main(parser_args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"]["requests"] == QUICK_REQUESTS
-    assert report["machine"]["max_tokens"] == 4
+    assert report["machine"]["max_tokens"] == 2
     assert main(["bench", "--quick", "--full", "--model", tiny_model, "--model-free"]) == 1
     assert "pick one" in capsys.readouterr().err
