@@ -274,16 +274,7 @@ class Pipeline:
     ) -> Answer:
         """Asyncio form of :meth:`answer`."""
         params = self._params(params, sampling)
-        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
-        prepared = await asyncio.to_thread(
-            self.prepare,
-            question,
-            chunks,
-            system=system,
-            history=history,
-            cache_salt=cache_salt,
-            params=params,
-        )
+        prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
         output = await self.engine.agenerate(
             prepared.plan.token_ids,
             params,
@@ -305,7 +296,26 @@ class Pipeline:
     ) -> AsyncIterator[AnswerDelta]:
         """Asyncio form of :meth:`stream`."""
         params = self._params(params, sampling)
-        prepared = await asyncio.to_thread(
+        prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
+        async for delta in self.engine.astream(
+            prepared.plan.token_ids,
+            params,
+            cache_salt=cache_salt,
+            **self._reuse_kwargs(prepared.plan),
+        ):
+            yield _answer_delta(prepared, delta)
+
+    async def _aprepare(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        system: SystemLike | None,
+        history: Sequence[Turn] | None,
+        cache_salt: str | None,
+        params: SamplingParams,
+    ) -> Prepared:
+        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
+        return await asyncio.to_thread(
             self.prepare,
             question,
             chunks,
@@ -314,13 +324,6 @@ class Pipeline:
             cache_salt=cache_salt,
             params=params,
         )
-        async for delta in self.engine.astream(
-            prepared.plan.token_ids,
-            params,
-            cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared.plan),
-        ):
-            yield _answer_delta(prepared, delta)
 
     def prompt_budget(self, params: SamplingParams) -> int | None:
         """Prompt tokens a request may take: ``max_prompt_tokens`` if given, else what the
