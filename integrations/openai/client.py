@@ -34,6 +34,8 @@ from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import InvalidInputError, RemoteEngineError
 from ragkv.integrations.openai.client_reader import (
     StreamState,
+    aanswer_json,
+    answer_json,
     http_error,
     output_of,
     transport_error,
@@ -55,8 +57,10 @@ class RemoteEngine:
     first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size, which the
     assembler aligns stable segments to (default: ragkv's own, ``DEFAULTS.block_size``; vLLM's
     is 16 too). ``cache_salt`` is the default salt for calls that pass none. ``timeout_s``
-    bounds each HTTP attempt (connect, and each read of a stream); ``max_retries`` attempts
-    follow a retryable failure.
+    bounds each read of an attempt (connect, and each read of a stream), ``deadline_s`` the
+    whole answer (a server that trickles bytes cannot hold a call longer); answers are read
+    up to 16 MiB and SSE lines up to 1 Mi characters. ``max_retries`` attempts follow a
+    retryable failure.
     """
 
     def __init__(
@@ -69,14 +73,18 @@ class RemoteEngine:
         block_size: int = DEFAULTS.block_size,
         cache_salt: str | None = None,
         timeout_s: float = 120.0,
+        deadline_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         send_token_ids: bool = True,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if max_retries < 0 or backoff_s < 0 or timeout_s <= 0:
-            raise InvalidInputError("max_retries and backoff_s must be >= 0, timeout_s > 0")
+        if max_retries < 0 or backoff_s < 0 or timeout_s <= 0 or deadline_s <= 0:
+            raise InvalidInputError(
+                "max_retries and backoff_s must be >= 0, timeout_s and deadline_s > 0"
+            )
+        self.deadline_s = deadline_s
         self.base_url = base_url.rstrip("/")
         self.tokenizer = _load_tokenizer(tokenizer)
         self.block_size = block_size
@@ -157,7 +165,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
         response = self._send(payload, stream=True)
-        state = StreamState(ids, start)
+        state = StreamState(ids, start, start + self.deadline_s)
         try:
             for line in response.iter_lines():
                 delta = state.feed_line(line)
@@ -180,8 +188,14 @@ class RemoteEngine:
         """Asyncio form of :meth:`generate` for one prompt."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=False)
-        response = await self._asend(payload, stream=False)
-        return output_of(response.json(), ids, start)
+        response = await self._asend(payload, stream=True)
+        try:
+            body = await aanswer_json(response.aiter_bytes(), start + self.deadline_s)
+        except httpx.TransportError as exc:
+            raise RemoteEngineError(f"answer from {self.base_url} broke: {exc}") from exc
+        finally:
+            await response.aclose()
+        return output_of(body, ids, start)
 
     async def astream(
         self,
@@ -195,7 +209,7 @@ class RemoteEngine:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
         response = await self._asend(payload, stream=True)
-        state = StreamState(ids, start)
+        state = StreamState(ids, start, start + self.deadline_s)
         try:
             async for line in response.aiter_lines():
                 delta = state.feed_line(line)
@@ -254,8 +268,14 @@ class RemoteEngine:
     ) -> Output:
         ids, start = self._prompt_ids(prompt), time.perf_counter()
         payload = self._payload(prompt, params, cache_salt, stream=False)
-        response = self._send(payload, stream=False)
-        return output_of(response.json(), ids, start)
+        response = self._send(payload, stream=True)
+        try:
+            body = answer_json(response.iter_bytes(), start + self.deadline_s)
+        except httpx.TransportError as exc:
+            raise RemoteEngineError(f"answer from {self.base_url} broke: {exc}") from exc
+        finally:
+            response.close()
+        return output_of(body, ids, start)
 
     def _payload(
         self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None, stream: bool

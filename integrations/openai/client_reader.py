@@ -14,13 +14,22 @@ import httpx
 from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
 from ragkv.errors import RemoteEngineError
 
+# What a server may send back, bounded: an answer body, one SSE line, and the time an
+# attempt may take in all (a per-read timeout alone lets a 1 byte/s server hang a call).
+MAX_ANSWER_BYTES = 16 << 20
+MAX_SSE_LINE_CHARS = 1 << 20
+
 
 class StreamState:
-    """Turns SSE lines into StreamDeltas; the final delta waits for the usage chunk."""
+    """Turns SSE lines into StreamDeltas; the final delta waits for the usage chunk.
 
-    def __init__(self, prompt_ids: list[int], start: float) -> None:
+    ``deadline`` (a ``time.perf_counter()`` value) ends the attempt with a
+    :class:`RemoteEngineError` however slowly the server keeps sending."""
+
+    def __init__(self, prompt_ids: list[int], start: float, deadline: float = math.inf) -> None:
         self.prompt_ids = prompt_ids
         self.start = start
+        self.deadline = deadline
         self.first_token_time: float | None = None
         self.request_id = ""
         self.text: list[str] = []
@@ -31,6 +40,9 @@ class StreamState:
         self.done = False
 
     def feed_line(self, line: str) -> StreamDelta | None:
+        check_deadline(self.deadline)
+        if len(line) > MAX_SSE_LINE_CHARS:
+            raise RemoteEngineError(f"the server streamed a line of {len(line)} characters")
         if not line.startswith("data:") or self.done:
             return None
         data = line[5:].strip()
@@ -125,6 +137,42 @@ def http_error(response: httpx.Response) -> RemoteEngineError:
         f"{response.request.url} answered {response.status_code}: {message}",
         status_code=response.status_code,
     )
+
+
+def check_deadline(deadline: float) -> None:
+    if time.perf_counter() > deadline:
+        raise RemoteEngineError("the server did not finish its answer within deadline_s")
+
+
+def answer_json(chunks: Any, deadline: float) -> Any:
+    """The JSON body of a completion answer read from ``chunks`` (its byte parts), at most
+    ``MAX_ANSWER_BYTES`` and within ``deadline``; a RemoteEngineError otherwise."""
+    data = bytearray()
+    for part in chunks:
+        _take(data, part, deadline)
+    return _parse(data)
+
+
+async def aanswer_json(chunks: Any, deadline: float) -> Any:
+    """Asyncio form of :func:`answer_json` (``chunks`` an async iterator)."""
+    data = bytearray()
+    async for part in chunks:
+        _take(data, part, deadline)
+    return _parse(data)
+
+
+def _take(data: bytearray, part: bytes, deadline: float) -> None:
+    data += part
+    if len(data) > MAX_ANSWER_BYTES:
+        raise RemoteEngineError(f"the server's answer is over {MAX_ANSWER_BYTES} bytes")
+    check_deadline(deadline)
+
+
+def _parse(data: bytearray) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise RemoteEngineError(f"the server answered invalid JSON: {bytes(data[:200])!r}") from exc
 
 
 def transport_error(base_url: str, exc: httpx.TransportError) -> RemoteEngineError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -296,3 +297,33 @@ def test_tokenizer_embedded_or_a_clear_error_offline(tmp_path, monkeypatch):
     with pytest.raises(InvalidInputError, match="hf download.*'embedded'") as info:
         RemoteEngine("http://127.0.0.1:9/v1", tokenizer="some-org/not-cached-anywhere")
     assert info.value.param == "tokenizer" and time.perf_counter() - started < 10
+
+
+def test_answers_are_bounded_in_size_time_and_shape(monkeypatch):
+    """A misbehaving server cannot hold a call (trickling bytes), flood memory (a huge body
+    or SSE line) or crash it with a malformed answer: each is a RemoteEngineError."""
+    from ragkv.integrations.openai import client_reader
+
+    monkeypatch.setattr(client_reader, "MAX_ANSWER_BYTES", 1000)
+    huge = Script(httpx.Response(200, content=b'{"choices": [' + b" " * 5000 + b"]}"))
+    with pytest.raises(RemoteEngineError, match="over 1000 bytes"):
+        scripted(huge).generate([1, 2, 3], PARAMS)
+    broken = Script(httpx.Response(200, content=b"not json"))
+    with pytest.raises(RemoteEngineError, match="invalid JSON"):
+        scripted(broken).generate([1, 2, 3], PARAMS)
+
+    class Trickle(httpx.SyncByteStream):
+        def __iter__(self):
+            for _ in range(50):
+                time.sleep(0.02)
+                yield b" "
+
+    slow = Script(httpx.Response(200, stream=Trickle()))
+    started = time.perf_counter()
+    with pytest.raises(RemoteEngineError, match="deadline_s"):
+        scripted(slow, deadline_s=0.1).generate([1, 2, 3], PARAMS)
+    assert time.perf_counter() - started < 0.9
+    monkeypatch.setattr(client_reader, "MAX_SSE_LINE_CHARS", 100)
+    long_line = Script(httpx.Response(200, content=b"data: " + b"x" * 500 + b"\n\n"))
+    with pytest.raises(RemoteEngineError, match="line of"):
+        list(scripted(long_line).stream([1, 2, 3], PARAMS))
