@@ -285,9 +285,11 @@ class Soak:
             self.completed_epoch.get((t, index)) == epoch for t in TENANTS.values() if t != tenant
         )
         answer = await self.send_valid(http, key, index, stream=False)
-        if answer is None:
-            return  # failed by an injected fault: its blocks were flushed; probe again later
         self.probed.add((tenant, index))
+        if answer is None:
+            # Failed by an injected fault. The pool was flushed, but KV tiers may keep the
+            # tenant's own blocks of this prompt: a later request is no clean probe.
+            return
         self.report.probes += 1
         self.report.cross_tenant_probes += others
         if answer["usage"]["prompt_tokens_details"]["cached_tokens"] != 0:

@@ -61,3 +61,28 @@ def test_the_cross_tenant_probe_catches_a_shared_namespace(soak, soak_engine, mo
     assert report.cross_tenant_hits > 0
     assert report.mismatches == 0  # the salt never changes an output, only what is reused
     assert not report.ok
+
+
+def test_the_soak_holds_with_kv_tiers_on_host_and_disk(soak, serve_model_dir, tmp_path):
+    """The same soak over an engine whose small pool spills to host memory and a disk store:
+    nothing lost, no cross-tenant hit through any tier, outputs equal direct greedy calls."""
+    from ragkv.cache_engine import Engine
+
+    with Engine.from_pretrained(
+        serve_model_dir,
+        device="cpu",
+        kv_cache_tokens=2048,
+        max_model_len=1024,
+        host_cache_bytes=1 << 20,
+        kv_store_dir=str(tmp_path / "store"),
+        kv_tier_write_policy="write-through",
+    ) as engine:
+        report = soak.run_soak(engine, seconds=6, clients=8, fault_rate=0.02, seed=3)
+        tiers = engine.stats().tier_hit_tokens
+    print(report, tiers)
+    assert report.lost == 0 and report.server_errors == 0 and report.mismatches == 0
+    assert report.cross_tenant_hits == 0 and report.probes > 0
+    assert report.pool_free_after == report.pool_blocks
+    assert report.problems == [] and report.ok
+    assert report.cross_tenant_probes > 0  # probes did follow other tenants' requests
+    assert list((tmp_path / "store").rglob("*.kv"))  # the disk tier took part
