@@ -7,9 +7,9 @@ so a bad value fails its caller and never a shared step (Invariant 9).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
@@ -35,10 +35,11 @@ class InputProcessor:
     model_name: str
     scheduler: Scheduler
     outputs: OutputProcessor
-    _ids: Iterator[int] = field(default_factory=itertools.count)
 
     def next_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
+        """A new request id: unique in this engine, and random, so an id a caller sees (in an
+        output or an error message) says nothing about how much traffic others sent."""
+        return f"{prefix}-{secrets.token_hex(8)}"
 
     def process(
         self,

@@ -293,3 +293,11 @@ def test_string_prompt_ids_are_checked_against_the_model_vocabulary(engine, monk
     with pytest.raises(InvalidInputError, match="no tokens") as info:
         engine.generate("   ")
     assert engine.stats().steps == 0
+
+
+def test_request_ids_say_nothing_about_other_traffic(engine):
+    """An id a caller sees (in an output or an error) is random, not a global counter."""
+    first = engine.generate([5, 6, 7], SamplingParams(max_tokens=1)).request_id
+    second = engine.generate([5, 6, 7], SamplingParams(max_tokens=1)).request_id
+    assert first != second and first.startswith("req-") and len(first) == len("req-") + 16
+    assert not first.removeprefix("req-").isdigit()
