@@ -24,6 +24,7 @@ template (or ``chat_template=False``) the plain layout is
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,19 +92,13 @@ class PromptTemplate:
 
     def _split(self, history_roles: tuple[str, ...]) -> list[str]:
         roles = ("system", *history_roles, "user")
-        holders = [f"\ue000ragkv{i}\ue001" for i in range(len(roles))]
-        messages = [{"role": r, "content": h} for r, h in zip(roles, holders, strict=True)]
-        rendered = self._render(messages)
-        texts, rest = [], rendered
-        for holder in holders:
-            before, found, rest = rest.partition(holder)
-            if not found or holder in rest:
-                raise ConfigError(
-                    "The chat template does not reproduce each message's content verbatim "
-                    f"once (roles {roles}); pass chat_template=False to use the plain layout."
-                )
-            texts.append(before)
-        texts.append(rest)
+        messages = [{"role": r, "content": _holder(i)} for i, r in enumerate(roles)]
+        texts = split_at_holders(self._render(messages), len(roles))
+        if texts is None:
+            raise ConfigError(
+                "The chat template does not reproduce each message's content verbatim "
+                f"once (roles {roles}); pass chat_template=False to use the plain layout."
+            )
         return texts
 
     def _render(self, messages: list[dict[str, str]]) -> str:
@@ -140,19 +135,12 @@ def chat_token_ids(tokenizer: TextTokenizer, messages: Sequence[dict[str, str]])
     that does not reproduce each content verbatim (one that trims or escapes it) is encoded
     as rendered, special tokens parsed, which is what Hugging Face does for every template.
     """
-    holders = [f"\ue000ragkv{i}\ue001" for i in range(len(messages))]
-    shaped = [{**m, "content": h} for m, h in zip(messages, holders, strict=True)]
-    rendered = render_chat(tokenizer.tokenizer, shaped)
-    pieces, rest = [], rendered
-    for holder in holders:
-        before, found, rest = rest.partition(holder)
-        if not found or holder in rest:
-            pieces = None
-            break
-        pieces.append(before)
+    shaped = [{**m, "content": _holder(i)} for i, m in enumerate(messages)]
+    split = split_at_holders(render_chat(tokenizer.tokenizer, shaped), len(messages))
     real = render_chat(tokenizer.tokenizer, messages)
     contents = [m["content"] for m in messages]
-    if pieces is not None:
+    if split is not None:
+        *pieces, rest = split
         joined = "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest
         if joined == real:
             ids: list[int] = []
@@ -160,6 +148,24 @@ def chat_token_ids(tokenizer: TextTokenizer, messages: Sequence[dict[str, str]])
                 ids += tokenizer.encode_template(piece) + tokenizer.encode(content)
             return ids + tokenizer.encode_template(rest)
     return tokenizer.encode_template(real)
+
+
+_HOLDER = re.compile("\ue000ragkv(\\d+)\ue001")
+
+
+def _holder(i: int) -> str:
+    """A placeholder no message text contains (private-use code points around a number)."""
+    return f"\ue000ragkv{i}\ue001"
+
+
+def split_at_holders(rendered: str, count: int) -> list[str] | None:
+    """The text around placeholders 0 .. count-1, when each appears exactly once and in
+    order (``count + 1`` pieces), else None. One regex pass: linear in the text, whatever
+    the number of messages."""
+    parts = _HOLDER.split(rendered)
+    if parts[1::2] != [str(i) for i in range(count)]:
+        return None
+    return parts[0::2]
 
 
 def render_plain(messages: Sequence[dict[str, str]], layout: Layout) -> str:

@@ -98,3 +98,15 @@ def test_one_plain_fallback_for_tokenizers_without_a_chat_template():
     assert render_chat(NoTemplate(), with_system) == "S\n\nQuestion: q\nAnswer:"
     turns = [{"role": "user", "content": "hi"}, {"role": "user", "content": "q"}]
     assert render_plain(turns, layout) == "User: hi\n\nQuestion: q\nAnswer:"
+
+
+def test_placeholders_split_in_one_pass_and_only_when_each_appears_once_in_order():
+    from ragkv.assembler.template import _holder, split_at_holders
+
+    text = "A" + _holder(0) + "B" + _holder(1) + "C"
+    assert split_at_holders(text, 2) == ["A", "B", "C"]
+    assert split_at_holders(text + _holder(1), 2) is None  # a content rendered twice
+    assert split_at_holders("A" + _holder(1) + "B" + _holder(0), 2) is None  # reordered
+    assert split_at_holders("A" + _holder(0), 2) is None  # one dropped
+    many = "".join(f"<{i}>" + _holder(i) for i in range(5000)) + "end"
+    assert split_at_holders(many, 5000)[-1] == "end"  # linear: thousands of turns at once
