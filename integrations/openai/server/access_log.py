@@ -11,7 +11,6 @@ prompt, cached and generated token counts of what was actually served::
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 logger = logging.getLogger("ragkv.serve.access")
@@ -19,32 +18,12 @@ logger = logging.getLogger("ragkv.serve.access")
 _QUIET = frozenset({"/health", "/metrics"})
 
 
-class AccessLog:
-    """ASGI middleware: the outermost layer, so refused requests (401, 413, 421) log too."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500  # what a client sees when the app fails before answering
-
-        async def record(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, record)
-        finally:
-            path = scope.get("path", "")
-            level = logging.DEBUG if path in _QUIET else logging.INFO
-            if logger.isEnabledFor(level):
-                logger.log(level, "%s", line(scope, status, time.perf_counter() - started))
+def log_request(scope: Any, status: int, seconds: float) -> None:
+    """Log one finished request (called by the gate, which sees every request, refused or
+    answered, and its status)."""
+    level = logging.DEBUG if scope.get("path", "") in _QUIET else logging.INFO
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s", line(scope, status, seconds))
 
 
 def line(scope: Any, status: int, seconds: float) -> str:

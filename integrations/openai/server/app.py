@@ -55,7 +55,6 @@ from ragkv.integrations.openai import protocol as proto
 from ragkv.integrations.openai import schemas
 from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
 from ragkv.integrations.openai.server import auth
-from ragkv.integrations.openai.server.access_log import AccessLog
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
 from ragkv.integrations.openai.server.cli import (
     ADMIN_KEY_ENV,
@@ -189,7 +188,6 @@ def create_app(
         metrics=served.metrics,
         admin_key=admin_key or os.environ.get(ADMIN_KEY_ENV),
     )
-    app.add_middleware(AccessLog)  # outermost: refused requests log too
     return app
 
 

@@ -16,6 +16,7 @@ from ragkv.errors import (
     ConfigError,
 )
 from ragkv.integrations.openai.protocol import APIError
+from ragkv.integrations.openai.server.access_log import log_request
 from ragkv.integrations.openai.server.cli import (
     ANONYMOUS_TENANT,
     SINGLE_TENANT,
@@ -81,7 +82,8 @@ def tenant_keys(api_key: str | None, api_keys: Mapping[str, str] | None) -> dict
 
 
 class Gate:
-    """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware)."""
+    """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware). It sees every
+    request, refused or answered: it counts it and writes its access-log line."""
 
     def __init__(
         self,
@@ -112,10 +114,11 @@ class Gate:
             await self.app(scope, receive, send)
             return
         route = scope["path"]
-        status = 500
+        status = 500  # what a client sees when the app fails before answering
         # The request's deadline runs from here, not from after its body was parsed and
         # tokenized (streaming.generate reads it).
-        scope.setdefault("state", {})["ragkv_arrival"] = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        arrival = scope.setdefault("state", {})["ragkv_arrival"] = loop.time()
 
         async def counted_send(message: dict) -> None:
             nonlocal status
@@ -132,13 +135,14 @@ class Gate:
         finally:
             known = route if route in _KNOWN_ROUTES else "other"
             self.metrics.http_requests.labels(known, str(status)).inc()
+            log_request(scope, status, loop.time() - arrival)
 
     def _refuse(self, scope: dict) -> APIError | None:
         """The error that refuses this request before it reaches a route, else None; on
         success the request's tenant is in ``scope["state"]["ragkv_tenant"]``."""
         headers = dict(scope["headers"])
         if scope["path"] in _OPEN_ROUTES:  # answered to anyone; details only to a key holder
-            tenant = self._tenant(headers.get(b"authorization", b"")) if self.keys else None
+            tenant = self._tenant(headers.get(b"authorization", b""))  # anonymous: keyless
             if tenant is not None:
                 scope.setdefault("state", {})["ragkv_tenant"] = tenant
             return None
