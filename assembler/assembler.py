@@ -57,7 +57,7 @@ from ragkv.assembler.slots import SlotLearner, SlotSplit
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike, Volatile, system_parts
 from ragkv.assembler.template import Layout, Piece, PromptTemplate
-from ragkv.assembler.tokenization import TextTokenizer
+from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -141,7 +141,7 @@ class Assembler:
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}.")
-        self.tokenizer = TextTokenizer(tokenizer)
+        self.tokenizer = text_tokenizer(tokenizer)
         self.block_size = block_size
         self.order = check_order(order)
         self.registry = registry if registry is not None else ChunkRegistry()
