@@ -25,6 +25,7 @@ template (or ``chat_template=False``) the plain layout is
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,23 +132,51 @@ def chat_token_ids(tokenizer: TextTokenizer, messages: Sequence[dict[str, str]])
     content encoded literally: a special-token string a user, a document or a tool put in a
     message is text, never a control token. The template's own text keeps its special tokens.
 
-    The template is rendered once around unique placeholders and split there; a template
-    that does not reproduce each content verbatim (one that trims or escapes it) is encoded
-    as rendered, special tokens parsed, which is what Hugging Face does for every template.
+    The template is rendered once per conversation shape (its roles) around unique
+    placeholders, split there and kept; each call renders the real messages once, to check
+    that the template reproduced every content verbatim. One that trims or escapes contents
+    is encoded as rendered, special tokens parsed, which is what Hugging Face does.
     """
-    shaped = [{**m, "content": _holder(i)} for i, m in enumerate(messages)]
-    split = split_at_holders(render_chat(tokenizer.tokenizer, shaped), len(messages))
     real = render_chat(tokenizer.tokenizer, messages)
+    frame = _chat_frame(tokenizer, tuple(m["role"] for m in messages))
     contents = [m["content"] for m in messages]
-    if split is not None:
-        *pieces, rest = split
-        joined = "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest
+    if frame is not None:
+        *pieces, rest = frame
+        joined = "".join(p.text + c for p, c in zip(pieces, contents, strict=True)) + rest.text
         if joined == real:
             ids: list[int] = []
             for piece, content in zip(pieces, contents, strict=True):
-                ids += tokenizer.encode_template(piece) + tokenizer.encode(content)
-            return ids + tokenizer.encode_template(rest)
+                ids += piece.token_ids
+                ids += tokenizer.encode(content)
+            return ids + list(rest.token_ids)
     return tokenizer.encode_template(real)
+
+
+_CHAT_FRAMES_LOCK = threading.Lock()
+_CHAT_FRAMES: OrderedDict[tuple[str, str, tuple[str, ...]], tuple[Piece, ...] | None] = (
+    OrderedDict()
+)
+
+
+def _chat_frame(tokenizer: TextTokenizer, roles: tuple[str, ...]) -> tuple[Piece, ...] | None:
+    """The template's text around each message of a conversation of ``roles``, tokenized,
+    rendered once per (tokenizer, roles) and kept (bounded); None when the template does not
+    reproduce placeholder contents once each."""
+    key = (tokenizer.key, tokenizer.chat_template or "", roles)
+    with _CHAT_FRAMES_LOCK:
+        if key in _CHAT_FRAMES:
+            _CHAT_FRAMES.move_to_end(key)
+            return _CHAT_FRAMES[key]
+    shaped = [{"role": role, "content": _holder(i)} for i, role in enumerate(roles)]
+    split = split_at_holders(render_chat(tokenizer.tokenizer, shaped), len(roles))
+    frame = None
+    if split is not None:
+        frame = tuple(Piece(text, tuple(tokenizer.encode_template(text))) for text in split)
+    with _CHAT_FRAMES_LOCK:
+        _CHAT_FRAMES[key] = frame
+        if len(_CHAT_FRAMES) > _MAX_FRAMES:
+            _CHAT_FRAMES.popitem(last=False)
+    return frame
 
 
 _HOLDER = re.compile("\ue000ragkv(\\d+)\ue001")
