@@ -78,3 +78,17 @@ async def test_a_failing_app_logs_status_500(caplog):
     with caplog.at_level(logging.INFO, logger="ragkv.serve.access"), pytest.raises(RuntimeError):
         await gate(scope, None, None)
     assert caplog.records[-1].getMessage().startswith("GET /x 500 tenant=anonymous ")
+
+
+def test_a_developer_message_is_the_system_prompt_of_a_rag_request(capped):
+    body = {
+        "messages": [{"role": "developer", "content": "Be brief."}, MESSAGES[0]],
+        "max_tokens": 1,
+        "return_token_ids": True,
+        "ragkv": {"chunks": ["Caching keeps results."]},
+    }
+    response = capped.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    bad = {**body, "messages": [{"role": "tool", "content": "x"}, MESSAGES[0]]}
+    refused = capped.post("/v1/chat/completions", json=bad)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "history[0].role"

@@ -378,10 +378,12 @@ def _chat_prompt(
         raise APIError(
             400, "with ragkv chunks the last message must be the user's question", param="messages"
         )
+    instructions = ("system", "developer")  # OpenAI's newer name for the system message
     system = parsed.rag.system
     if system is None:
-        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
-    history = [m for m in messages[:-1] if m["role"] != "system"]
+        system = "\n\n".join(m["content"] for m in messages if m["role"] in instructions)
+        system = system or None
+    history = [m for m in messages[:-1] if m["role"] not in instructions]
     prepared = served.pipeline.prepare(
         messages[-1]["content"],
         parsed.rag.chunks,
