@@ -109,7 +109,13 @@ def test_a_fifo_in_the_store_cannot_hang_a_load(tmp_path):
     assert not worker.is_alive() and result == [None]
 
 
-def test_an_entry_of_another_layout_is_refused_before_allocating(tmp_path):
+def test_an_entry_of_another_layout_is_refused_before_allocating(tmp_path, monkeypatch):
+    from ragkv.cache_engine.kv_tiers import disk_store
+
+    def never(*args, **kwargs):
+        raise AssertionError("the payload was read: the header alone should have refused it")
+
+    monkeypatch.setattr(disk_store, "read_payload", never)  # proves nothing is allocated
     store = DiskStore(tmp_path, 1 << 20, NS)
     h, hash_input, payload = block(7)
     assert store.put(h, hash_input, payload)
