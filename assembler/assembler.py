@@ -66,7 +66,7 @@ Residency = Callable[[Sequence[int]], int]
 (``engine.cached_prefix_length``)."""
 
 Turn = Mapping[str, str] | tuple[str, str]
-_MAX_DECODED = 256
+_MAX_CUTS = 256  # remembered clean cuts (a slot's head and tail, per template)
 HISTORY_ROLES = frozenset({"user", "assistant"})
 _MAX_BOUNDARY_PRICE = 64  # tokens: about one long sentence
 Group = list[Segment]  # segments concatenated directly (the parts of one slot)
@@ -516,19 +516,20 @@ class Assembler:
         self, ids: list[int], length: int, text: str, *, from_end: bool
     ) -> tuple[int, str]:
         """:func:`_clean_cut`, memoized: a slot's stable head or tail is the same on every
-        request. The key holds two tokens past the cut, which decide whether it ends a
-        sentence."""
+        request. A remembered cut is checked against this version's text (whether a period
+        ends a sentence can depend on text beyond the tokens in the key) before it is used."""
         if length == 0:
             return 0, ""
         region = ids[max(0, len(ids) - length - 2) :] if from_end else ids[: length + 2]
         key = (from_end, length, array("i", region).tobytes())
         found = self._cuts.get(key)
-        if found is None:
-            found = self._cuts[key] = _clean_cut(
-                self.tokenizer.decode, ids, length, text, from_end=from_end
-            )
-            if len(self._cuts) > _MAX_DECODED:
-                self._cuts.popitem(last=False)
+        if found is not None and _still_clean(found[1], text, from_end=from_end):
+            return found
+        found = self._cuts[key] = _clean_cut(
+            self.tokenizer.decode, ids, length, text, from_end=from_end
+        )
+        if len(self._cuts) > _MAX_CUTS:
+            self._cuts.popitem(last=False)
         return found
 
     def _classify_chunks(
@@ -716,6 +717,13 @@ class Assembler:
 
 def _head_key(head: list[Group]) -> bytes:
     return content_hash(b"".join(s.key for group in head for s in group))
+
+
+def _still_clean(part: str, text: str, *, from_end: bool) -> bool:
+    """Whether a remembered cut-off ``part`` is still this ``text``'s own and on a boundary."""
+    if from_end:
+        return text.endswith(part) and is_boundary(text, len(text) - len(part))
+    return text.startswith(part) and is_boundary(text, len(part))
 
 
 def _clean_cut(
