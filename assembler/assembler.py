@@ -67,6 +67,7 @@ Residency = Callable[[Sequence[int]], int]
 
 Turn = Mapping[str, str] | tuple[str, str]
 _MAX_CUTS = 256  # remembered clean cuts (a slot's head and tail, per template)
+_MAX_CUT_WALK = 256  # tokens a cut may move back to reach a boundary (each step decodes)
 HISTORY_ROLES = frozenset({"user", "assistant"})
 _MAX_BOUNDARY_PRICE = 64  # tokens: about one long sentence
 Group = list[Segment]  # segments concatenated directly (the parts of one slot)
@@ -737,7 +738,8 @@ def _clean_cut(
     either side, and never splits a UTF-8 character that byte-level BPE spread over tokens.
     """
     looked = False
-    while length > 0:
+    floor = max(0, length - _MAX_CUT_WALK)  # a "sentence" longer than that is no sentence
+    while length > floor:
         part = decode(ids[len(ids) - length :] if from_end else ids[:length])
         if text.endswith(part) if from_end else text.startswith(part):
             edge = len(text) - len(part) if from_end else len(part)

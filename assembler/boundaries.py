@@ -31,6 +31,7 @@ _ABBREVIATIONS = frozenset(
     | {"Jan", "Feb", "Mar", "Apr", "Jun", "Jul", "Aug", "Sep", "Sept", "Oct", "Nov", "Dec"}
 )
 # The word before a period: letters, digits and inner periods ("e.g", "U.S", "2", "Dr").
+_LOOK_BACK = 64  # characters any one check looks back (bounded work per position)
 _WORD_BEFORE = re.compile(r"([\w.]*\w)$")
 
 
@@ -40,19 +41,20 @@ def is_boundary(text: str, pos: int) -> bool:
         return True
     if text[pos] in _CLOSERS:
         return False  # a closing quote or bracket stays with what it closes
-    i = pos
-    while i > 0 and text[i - 1] in _CLOSERS:
+    i, floor = pos, max(0, pos - _LOOK_BACK)
+    while i > floor and text[i - 1] in _CLOSERS:
         i -= 1
     before = text[i - 1] if i > 0 else ""
     if (before == "\n" and i == pos) or before in _CJK_ENDS:
         return True
-    # Inside or at the start of a whitespace run that follows a sentence end.
-    i = pos
-    while i > 0 and text[i - 1] in _SPACE:
+    # Inside or at the start of a whitespace run that follows a sentence end (looked at up to
+    # _LOOK_BACK characters back: every check here is bounded, whatever the text).
+    i, floor = pos, max(0, pos - _LOOK_BACK)
+    while i > floor and text[i - 1] in _SPACE:
         i -= 1
     if i == pos and not text[pos].isspace():
         return False  # "9.|5" or "end.|Next": no whitespace after the terminator
-    while i > 0 and text[i - 1] in _CLOSERS:
+    while i > floor and text[i - 1] in _CLOSERS:
         i -= 1
     if i == 0 or text[i - 1] not in _ENDS:
         return False
@@ -61,14 +63,18 @@ def is_boundary(text: str, pos: int) -> bool:
 
 def _no_sentence_end(text: str, dot: int) -> bool:
     """Whether the period at ``dot`` closes an abbreviation, an initial or a list number."""
-    match = _WORD_BEFORE.search(text, 0, dot)
+    match = _WORD_BEFORE.search(text, max(0, dot - _LOOK_BACK), dot)
     if match is None:
         return False
     word = match.group(1)
     if word in _ABBREVIATIONS or (len(word) == 1 and word.isupper()):
         return True
-    line_start = text.rfind("\n", 0, match.start()) + 1
-    return word.isdigit() and not text[line_start : match.start()].strip()
+    if not word.isdigit():
+        return False
+    start = match.start()
+    before = text[max(0, start - _LOOK_BACK) : start]  # a list number starts its line
+    line = before.rsplit("\n", 1)
+    return not line[-1].strip() and (len(line) == 2 or start <= _LOOK_BACK)
 
 
 def last_boundary(text: str, pos: int) -> int:

@@ -562,3 +562,18 @@ def test_a_value_on_a_numbered_line_moves_with_its_number():
     )
     volatile = [p.text for p in prompt.parts() if isinstance(p, Volatile)]
     assert volatile == ["2. The customer is Ana.\n"]
+
+
+def test_boundary_checks_do_bounded_work_on_hostile_text():
+    """Each check looks back a bounded window: a megabyte of spaces after a period or of
+    letters before one costs linear work, not quadratic (a tenant's system prompt must not
+    stall the assembler)."""
+    spaces = "End." + " " * 200_000 + "Next"
+    cut = last_boundary(spaces, len(spaces) - 4)
+    assert 4 <= cut <= 4 + 64 and is_boundary(spaces, cut)
+    gap = "word" + " " * 200_000 + "Next"  # was 14 s at 20,000 spaces: quadratic
+    assert last_boundary(gap, len(gap) - 4) == 0
+    letters = "a" * 200_000 + ". Next"
+    assert next_boundary(letters, 1) == 200_001
+    numbered = "\n" + " " * 100 + "2. The customer"
+    assert is_boundary(numbered, numbered.index(" The"))  # the number is past the window
