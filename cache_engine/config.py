@@ -27,6 +27,8 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 KV_TIER_WRITE_POLICIES: tuple[str, ...] = ("write-back", "write-through")
 DEFAULT_KV_STORE_BYTES = 8 << 30  # disk tier, when kv_store_dir is set
+# A block load takes milliseconds (one 0.7 MB file); seconds means a stuck filesystem.
+DEFAULT_KV_LOAD_TIMEOUT_S = 10.0
 MAX_KV_STORE_BYTES = 1 << 50  # a typo guard (1 PiB), not a real limit
 CUDA_KV_SHARE = 0.4  # of the free device memory, when no pool size is given
 
@@ -50,6 +52,9 @@ class EngineConfig:
     restarts. ``kv_store_salted=False`` keeps salted (per-tenant) requests' blocks out of
     the disk tier. ``kv_tier_write_policy``: "write-back" (host evictions go to disk) or
     "write-through" (blocks seen twice go to disk at once); see docs/benchmarks.md.
+    ``kv_load_timeout_s``: the longest a request waits for its tier loads; past it the
+    request computes those blocks instead, and while one block load runs longer no
+    request is parked behind the loader (``Engine.health().kv_loader`` shows it).
     """
 
     model: str | Path | None = None
@@ -70,6 +75,7 @@ class EngineConfig:
     kv_store_bytes: int = DEFAULT_KV_STORE_BYTES
     kv_store_salted: bool = True
     kv_tier_write_policy: str = "write-back"
+    kv_load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S
 
     @property
     def tiers_enabled(self) -> bool:
@@ -147,6 +153,12 @@ class EngineConfig:
             "kv_store_salted must be True or False",
         )
         _one_of(self, "kv_tier_write_policy", KV_TIER_WRITE_POLICIES)
+        timeout = self.kv_load_timeout_s
+        _check(
+            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0,
+            "kv_load_timeout_s",
+            f"kv_load_timeout_s must be a positive number of seconds, got {timeout!r}",
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some settings changed (validated again)."""

@@ -85,6 +85,7 @@ class Engine:
             offload.open_tiers(config, self.runner),
             self.runner,
             max_staged_blocks=self.runner.num_blocks,
+            load_timeout_s=config.kv_load_timeout_s,
         )
 
     @classmethod

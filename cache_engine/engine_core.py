@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # Steps that fail for no single request, in a row, before the engine gives up: one can be
 # a transient fault (an allocation spike), three in a row is a broken device or model.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+LOAD_POLL_S = 0.1  # idle wait while a parked request may time out of its tier loads
 
 
 class EngineCore:
@@ -120,6 +121,8 @@ class EngineCore:
         snapshot.tier_offered_bytes = counters.offered_bytes
         snapshot.tier_save_s = counters.save_s
         snapshot.tier_install_s = counters.install_s
+        snapshot.tier_load_timeouts = counters.load_timeouts
+        snapshot.tier_stalled_skips = counters.stalled_skips
         snapshot.tiers = stores
 
     def health(self) -> EngineHealth:
@@ -138,6 +141,7 @@ class EngineCore:
             busy=bool(self.outputs.states) or not self._inbox.empty(),
             consecutive_failures=self._consecutive_failures,
             reason=reason,
+            kv_loader=None if self.offload is None else self.offload.loader_health(),
         )
 
     def close(self) -> None:
@@ -191,9 +195,11 @@ class EngineCore:
     def _serve(self) -> None:
         while True:
             block = not self.scheduler.has_work()
+            # Parked requests time out of their tier loads (offload.py): poll while any wait.
+            timeout = LOAD_POLL_S if self.scheduler.loading else None
             try:
                 while True:
-                    command, arg = self._inbox.get(block=block)
+                    command, arg = self._inbox.get(block=block, timeout=timeout)
                     block = False
                     if command == "close":
                         self._fail_all(EngineClosedError("the engine was closed"))

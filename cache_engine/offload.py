@@ -33,6 +33,13 @@ So a step never waits for another request's loads: the slow part (reading, check
 runs in the loader thread while the engine keeps stepping other requests, and the request
 is scheduled only once its payloads are in memory; the copy into the pool is a memory copy
 in the stepping thread. Staged payloads are bounded (at most the pool's size in blocks).
+
+A filesystem can stall a read (a hung network mount; a FIFO is refused before it is read).
+So each parked request waits at most ``load_timeout_s`` from the moment it was parked: the
+loader stops a slow job between blocks and keeps what it staged, and a job stuck inside one
+read is abandoned by the stepping thread (the request computes those blocks). While a
+single block load has run longer than that, no request is parked behind the loader;
+:meth:`KVOffload.loader_health` reports it (``Engine.health().kv_loader``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ragkv.cache_engine.config import DEFAULT_KV_LOAD_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ragkv.cache_engine.block_pool import BlockPool
@@ -168,6 +177,8 @@ class TierCounters:
     save_s: float = 0.0  # stepping-thread seconds copying new blocks out of the pool
     install_s: float = 0.0  # stepping-thread seconds copying loaded blocks into the pool
     save_errors: int = 0
+    load_timeouts: int = 0  # parked requests that stopped waiting for their loads
+    stalled_skips: int = 0  # lookups not made because the loader was stuck in one read
 
     def copy(self) -> TierCounters:
         return TierCounters(
@@ -182,6 +193,8 @@ class TierCounters:
             self.save_s,
             self.install_s,
             self.save_errors,
+            self.load_timeouts,
+            self.stalled_skips,
         )
 
 
@@ -191,6 +204,7 @@ class _Job:
     first_block: int
     hashes: list[bytes]
     inputs: list[bytes]
+    deadline: float  # time.monotonic(): the request stops waiting then
 
 
 class KVOffload:
@@ -206,6 +220,7 @@ class KVOffload:
         runner: ModelRunner,
         *,
         max_staged_blocks: int,
+        load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.tiers = tiers
@@ -216,12 +231,17 @@ class KVOffload:
         self.shape = payload_shape(runner)
         self.block_bytes = runner.bytes_per_block()
         self.max_staged_blocks = max_staged_blocks
+        self.load_timeout_s = load_timeout_s
         self.wake = wake
         self.counters = TierCounters()
         self._lock = threading.Lock()  # guards the dicts below and the counters
         self._probed: set[str] = set()  # not to be looked up again before admission
         self._lookups: dict[str, int] = {}  # request id -> lookups since its last admission
         self._loading: dict[str, int] = {}  # request id -> blocks reserved for its job
+        self._deadlines: dict[str, float] = {}  # request id -> when it stops waiting
+        self._partial: dict[str, StagedBlocks] = {}  # request id -> loaded so far
+        self._read_started: float | None = None  # the loader's current block load began
+        self._jobs_done = 0
         self._ready: dict[str, StagedBlocks] = {}
         self._staged_blocks = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -305,23 +325,70 @@ class KVOffload:
             logger.exception("KV tier lookup failed; computing instead")
             return False
         count = len(present)
+        now = time.monotonic()
         with self._lock:
             if not count or self._staged_blocks + count > self.max_staged_blocks:
                 return False
+            if self._stuck_s(now) > self.load_timeout_s:  # it would only wait to time out
+                self.counters.stalled_skips += 1
+                return False
             self._staged_blocks += count
             self._loading[request_id] = count
+            self._deadlines[request_id] = deadline = now + self.load_timeout_s
         end = first_block + count
         job = _Job(
-            request_id, first_block, list(hashes[first_block:end]), list(inputs[first_block:end])
+            request_id,
+            first_block,
+            list(hashes[first_block:end]),
+            list(inputs[first_block:end]),
+            deadline,
         )
         self._ensure_loader()
         self._jobs.put(job)
         return True
 
     def is_ready(self, request: Request) -> bool:
-        """True once a parked request's loads are done (or were abandoned)."""
+        """True once a parked request's loads are done, or abandoned at their deadline."""
+        request_id = request.request_id
         with self._lock:
-            return request.request_id not in self._loading
+            if request_id not in self._loading:
+                return True
+            if time.monotonic() < self._deadlines[request_id]:
+                return False
+            # Inside a read at the deadline: stop waiting with what was loaded by then; the
+            # loader drops the job when its read returns.
+            reserved = self._loading.pop(request_id)
+            del self._deadlines[request_id]
+            staged = self._partial.pop(request_id, None)
+            kept = 0 if staged is None else len(staged)
+            self._staged_blocks -= reserved - kept
+            if kept:
+                self._ready[request_id] = staged
+            self.counters.load_timeouts += 1
+        logger.warning("KV tier loads for %s timed out; computing instead", request_id)
+        return True
+
+    def waiting_for_loads(self) -> bool:
+        """Whether some parked request still waits (the stepping thread then polls)."""
+        with self._lock:
+            return bool(self._loading)
+
+    def loader_health(self) -> dict[str, Any]:
+        """The loader's progress: jobs waiting, how long its current block load has run."""
+        now = time.monotonic()
+        with self._lock:
+            stuck = self._stuck_s(now)
+            return {
+                "jobs_waiting": len(self._loading),
+                "jobs_done": self._jobs_done,
+                "current_read_s": None if self._read_started is None else round(stuck, 3),
+                "stalled": stuck > self.load_timeout_s,
+                "load_timeouts": self.counters.load_timeouts,
+            }
+
+    def _stuck_s(self, now: float) -> float:
+        """How long the current block load has run (0 when none runs); hold the lock."""
+        return 0.0 if self._read_started is None else now - self._read_started
 
     def take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
         """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
@@ -397,6 +464,8 @@ class KVOffload:
             reserved = self._loading.pop(request_id, None)
             if reserved is not None:
                 self._staged_blocks -= reserved
+            self._deadlines.pop(request_id, None)
+            self._partial.pop(request_id, None)
 
     # -- the loader thread ---------------------------------------------------------------
     def _ensure_loader(self) -> None:
@@ -419,18 +488,34 @@ class KVOffload:
                     reserved = self._loading.pop(job.request_id, None)
                     if reserved is not None:
                         self._staged_blocks -= reserved
+                    self._deadlines.pop(job.request_id, None)
+                    self._partial.pop(job.request_id, None)
+            with self._lock:
+                self._read_started = None
+                self._jobs_done += 1
             self.wake()
 
     def _load(self, job: _Job) -> None:
-        """Load the job's run in order, stopping at the first miss (a prefix must be whole)."""
+        """Load the job's run in order, stopping at the first miss (a prefix must be whole)
+        or at the job's deadline (what was loaded by then is used)."""
         staged = StagedBlocks(job.first_block, [], [], [])
+        with self._lock:
+            if job.request_id not in self._loading:
+                return  # dropped before its turn
+            self._partial[job.request_id] = staged  # is_ready takes it at the deadline
         for block_hash, hash_input in zip(job.hashes, job.inputs, strict=True):
+            started = time.perf_counter()
             with self._lock:
                 if job.request_id not in self._loading:
-                    return  # dropped (finished, aborted) while loading
-            started = time.perf_counter()
+                    return  # dropped (finished, aborted, timed out) while loading
+                if time.monotonic() >= job.deadline:
+                    self.counters.load_timeouts += 1
+                    break
+                self._read_started = time.monotonic()
             loaded = self.tiers.load(block_hash, hash_input)
             elapsed = time.perf_counter() - started
+            with self._lock:
+                self._read_started = None
             if loaded is not None and not self._fits(loaded[0]):
                 logger.warning("KV tier payload of the wrong shape or dtype; recomputing")
                 loaded = None
@@ -439,18 +524,22 @@ class KVOffload:
                     self.counters.load_misses += 1
                 break
             payload, tier = loaded
-            staged.hashes.append(block_hash)
-            staged.payloads.append(payload)
-            staged.tiers.append(tier)
             with self._lock:
+                if job.request_id not in self._loading:
+                    return  # timed out during this read: is_ready took what came before
+                staged.hashes.append(block_hash)
+                staged.payloads.append(payload)
+                staged.tiers.append(tier)
                 c = self.counters
                 c.loaded_blocks[tier] = c.loaded_blocks.get(tier, 0) + 1
                 c.loaded_bytes[tier] = c.loaded_bytes.get(tier, 0) + self.block_bytes
                 c.load_s[tier] = c.load_s.get(tier, 0.0) + elapsed
         with self._lock:
             reserved = self._loading.pop(job.request_id, None)
+            self._partial.pop(job.request_id, None)
             if reserved is None:
                 return
+            del self._deadlines[job.request_id]
             self._staged_blocks -= reserved - len(staged)
             if staged.payloads:
                 self._ready[job.request_id] = staged

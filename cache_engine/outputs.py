@@ -130,6 +130,8 @@ class EngineStats:
     tier_offered_bytes: int = 0
     tier_save_s: float = 0.0
     tier_install_s: float = 0.0
+    tier_load_timeouts: int = 0  # parked requests that stopped waiting (kv_load_timeout_s)
+    tier_stalled_skips: int = 0  # lookups skipped while the loader was stuck in one read
     tiers: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -163,3 +165,5 @@ class EngineHealth:
     busy: bool  # requests queued or in flight
     consecutive_failures: int  # steps in a row that failed for no single request
     reason: str | None
+    # With KV tiers: the loader's progress (KVOffload.loader_health); None without tiers.
+    kv_loader: dict[str, Any] | None = None

@@ -30,6 +30,9 @@ from ragkv.errors import ConfigError
         ({"device": "tpu"}, "device"),
         ({"host_cache_bytes": -1}, "host_cache_bytes"),
         ({"kv_store_bytes": 0}, "kv_store_bytes"),
+        ({"kv_load_timeout_s": 0}, "kv_load_timeout_s"),
+        ({"kv_load_timeout_s": float("nan")}, "kv_load_timeout_s"),
+        ({"kv_load_timeout_s": True}, "kv_load_timeout_s"),
         ({"kv_store_dir": ""}, "kv_store_dir"),
         ({"kv_store_dir": __file__}, "kv_store_dir"),  # a file, not a directory
         ({"kv_tier_write_policy": "write-around"}, "kv_tier_write_policy"),

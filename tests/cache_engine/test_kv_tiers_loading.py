@@ -217,3 +217,49 @@ def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tier
     assert parked.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
     assert_same(parked, reference[0])
     assert_same(other, reference[2])
+
+
+def test_a_load_stuck_in_one_read_times_out_and_the_request_computes(llama_dir, tiers, reference):
+    # A read that never returns (a hung mount): before the deadline, the request waited for
+    # good and health said ok. Now it computes after kv_load_timeout_s, health shows the
+    # stalled loader, and the next request is not parked behind it.
+    with tiered(llama_dir, kv_load_timeout_s=0.3) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        tiers.gate.clear()
+        try:
+            out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            health = eng.health()
+            eng.generate(prompt(1, 100), GREEDY)  # prompt 0 leaves the pool again
+            again = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            stats = eng.stats()
+        finally:
+            tiers.gate.set()
+    assert out.usage.cached_tokens == 0
+    assert_same(out, reference[0])
+    assert health.ok and health.kv_loader["stalled"]
+    assert health.kv_loader["load_timeouts"] == 1 and health.kv_loader["jobs_waiting"] == 0
+    assert again.usage.cached_tokens == 0  # the tiers were skipped, not waited for
+    assert_same(again, reference[0])
+    assert stats.tier_load_timeouts == 1 and stats.tier_stalled_skips >= 1
+
+
+def test_a_load_timed_out_midway_keeps_the_blocks_loaded_by_then(llama_dir, tiers, reference):
+    fast = tiers.load
+    stuck = threading.Event()
+
+    def load(block_hash, hash_input):
+        if tiers.loads >= 2:  # the third read hangs until the test ends
+            stuck.wait(timeout=30)
+        return fast(block_hash, hash_input)
+
+    tiers.load = load
+    with tiered(llama_dir, kv_load_timeout_s=0.5) as eng:
+        for i in (0, 1):
+            eng.generate(prompt(i, 100), GREEDY)
+        try:
+            out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+        finally:
+            stuck.set()
+    assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 32}
+    assert_same(out, reference[0])

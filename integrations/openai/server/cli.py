@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         kv_store_bytes=args.kv_store_bytes,
         kv_tier_write_policy=args.kv_tier_write_policy,
         kv_store_salted=args.kv_store_salted,
+        kv_load_timeout_s=args.kv_load_timeout_s,
     )
     engine = Engine(config)
     with engine:
@@ -287,6 +288,13 @@ def add_tier_flags(parser: argparse.ArgumentParser) -> None:
         dest="kv_store_salted",
         action="store_false",
         help="keep salted (per-tenant) requests' blocks in host memory only, never on disk",
+    )
+    parser.add_argument(
+        "--kv-load-timeout-s",
+        type=float,
+        default=DEFAULTS.kv_load_timeout_s,
+        help="longest a request waits for its KV tier loads before computing instead "
+        f"(default {DEFAULTS.kv_load_timeout_s:g}; /health shows a stalled loader)",
     )
 
 
