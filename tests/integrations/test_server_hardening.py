@@ -606,3 +606,50 @@ def test_a_tenant_past_its_share_gets_429_and_others_are_still_served(serve_engi
         assert served.in_flight == {}  # every answered request gave its slot back
     finally:
         thread.stop()
+
+
+def test_one_tenants_flood_of_large_chats_does_not_queue_anothers_small_chat(serve_engine):
+    # Twelve ~0.9 MB chats of one tenant are tokenized (then refused: too many tokens) while
+    # another tenant sends a two-word chat. First come, first served (asyncio.to_thread) ran
+    # the small chat's tokenization after the whole flood, and the tokenizer held the GIL
+    # (the event loop stood still); now a work thread is kept for other tenants and the
+    # tokenizer releases the GIL, so the small chat is answered first.
+    import threading
+    import time
+
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
+
+    keys = {"key-flood-0123": "flood", "key-quiet-0123": "quiet"}
+    app = create_app(serve_engine, api_keys=keys, work_threads=2, max_body_bytes=2 << 20)
+    workers = app.state.ragkv.workers
+    thread = ServerThread(app)
+    url = thread.start()
+    big = {"messages": [{"role": "user", "content": "word " * 180_000}], "max_tokens": 1}
+    small = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1, **GREEDY}
+    finished: list[tuple[float, str, int]] = []
+
+    def send(key: str, body: dict, name: str) -> None:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                              headers=as_tenant(key))  # fmt: skip
+        finished.append((time.monotonic(), name, response.status_code))
+
+    try:
+        flood = [threading.Thread(target=send, args=("key-flood-0123", big, "flood"))
+                 for _ in range(12)]  # fmt: skip
+        for t in flood:
+            t.start()
+        for _ in range(600):  # every flood request is decoded and waits to be tokenized
+            if workers.pending("flood") == 12:
+                break
+            time.sleep(0.05)
+        assert workers.pending("flood") == 12
+        send("key-quiet-0123", small, "quiet")
+        for t in flood:
+            t.join(timeout=120)
+    finally:
+        thread.stop()
+    order = [name for _, name, _ in sorted(finished)]
+    statuses = {name: status for _, name, status in finished}
+    assert statuses["quiet"] == 200 and statuses["flood"] == 400  # too many prompt tokens
+    assert len(order) == 13 and order.index("quiet") <= 1  # not behind the flood

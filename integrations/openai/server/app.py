@@ -26,7 +26,6 @@ Safety rules (no request can hurt another):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -72,6 +71,7 @@ from ragkv.integrations.openai.server.errors import (
     internal_error,
     too_large,
 )
+from ragkv.integrations.openai.server.fair_work import DEFAULT_WORK_THREADS, FairWorkers
 from ragkv.integrations.openai.server.metrics import CONTENT_TYPE, ServerMetrics
 from ragkv.integrations.openai.server.state import Served
 from ragkv.integrations.openai.server.streaming import generate
@@ -99,6 +99,7 @@ def create_app(
     admin_key: str | None = None,
     max_requests_per_tenant: int = DEFAULT_MAX_REQUESTS_PER_TENANT,
     max_requests: int = DEFAULT_MAX_REQUESTS,
+    work_threads: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving an :class:`~ragkv.cache_engine.Engine` or a :class:`ragkv.Pipeline`.
 
@@ -122,7 +123,11 @@ def create_app(
     ``$RAGKV_ADMIN_KEY``) reads it; ``/health`` without a key says only ok or unhealthy.
     A tenant may have ``max_requests_per_tenant`` requests in flight and the server
     ``max_requests`` in all; past them a request gets 429 with ``Retry-After`` before it is
-    queued (the engine then admits tenants' waiting requests round-robin).
+    queued (the engine then admits tenants' waiting requests round-robin). Before that, a
+    request's CPU work (decoding a large body, tokenizing, assembling) runs on
+    ``work_threads`` threads (default: the cores, 2 to 8, plus one) taken round-robin by tenant,
+    within the same shares
+    (:mod:`~ragkv.integrations.openai.server.fair_work`).
     Every request logs one line to ``ragkv.serve.access`` (see
     :mod:`~ragkv.integrations.openai.server.access_log`).
     """
@@ -146,6 +151,9 @@ def create_app(
         raise ConfigError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
     if min(max_requests_per_tenant, max_requests) < 1:
         raise ConfigError("max_requests_per_tenant and max_requests must be >= 1")
+    work_threads = DEFAULT_WORK_THREADS if work_threads is None else work_threads
+    if work_threads < 1:
+        raise ConfigError(f"work_threads must be >= 1, got {work_threads}", param="work_threads")
     limits = limits or RequestLimits()
     # What only an in-process engine can tell (context, vocabulary, health, stats); a
     # pipeline over a RemoteEngine is served without it.
@@ -171,6 +179,9 @@ def create_app(
         default_max_tokens=default_max_tokens,
         max_requests_per_tenant=max_requests_per_tenant,
         max_requests=max_requests,
+        workers=FairWorkers(
+            work_threads, max_per_tenant=max_requests_per_tenant, max_total=max_requests
+        ),
     )
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ragkv = served
@@ -234,7 +245,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
         parsed = await _parse(request, served, proto.parse_completion)
         prompt = parsed.prompt
         if isinstance(prompt, str):
-            prompt = await asyncio.to_thread(_tokenize, served.engine, prompt)
+            prompt = await served.workers.run(parsed.tenant, _tokenize, served.engine, prompt)
             proto.check_prompt_tokens(len(prompt), served.limits, "prompt")
         return await generate(request, served, parsed, prompt, chat=False, extra=None)
 
@@ -242,7 +253,9 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     @_answered_here
     async def chat_completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_chat)
-        token_ids, extra, reuse = await asyncio.to_thread(_chat_prompt, served, parsed)
+        token_ids, extra, reuse = await served.workers.run(
+            parsed.tenant, _chat_prompt, served, parsed
+        )
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
         proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
         return await generate(
@@ -285,13 +298,13 @@ async def _parse(
     The returned request's ``cache_salt`` is the tenant's namespace
     (:func:`~ragkv.integrations.openai.server.auth.tenant_salt`).
     """
+    tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
     raw = await _read_body(request, served.max_body_bytes)
     if len(raw) > _INLINE_PARSE_BYTES:
-        parsed = await asyncio.to_thread(_decode, raw, parse, served.limits)
+        parsed = await served.workers.run(tenant, _decode, raw, parse, served.limits)
     else:
         parsed = _decode(raw, parse, served.limits)
     _check_model(parsed, served)
-    tenant = request.scope.get("state", {}).get("ragkv_tenant", ANONYMOUS_TENANT)
     parsed.tenant = tenant
     parsed.cache_salt = auth.tenant_salt(tenant, parsed.cache_salt, served.tenant_secret)
     return parsed

@@ -136,6 +136,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=DEFAULT_MAX_REQUESTS,
         help=f"requests in flight in all (default {DEFAULT_MAX_REQUESTS})",
     )
+    parser.add_argument(
+        "--work-threads",
+        type=int,
+        default=None,
+        help="threads that decode, tokenize and assemble requests, taken round-robin by "
+        "tenant; one tenant holds at most all but one (default: the cores, 2 to 8, plus one)",
+    )
     parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
     parser.add_argument(
         "--reuse",
@@ -222,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             max_requests_per_tenant=args.max_requests_per_tenant,
             max_requests=args.max_requests,
+            work_threads=args.work_threads,
         )
         if args.access_log:
             show_access_log()

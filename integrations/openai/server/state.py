@@ -9,6 +9,7 @@ from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations.openai.protocol import APIError, RequestLimits
+from ragkv.integrations.openai.server.fair_work import FairWorkers
 from ragkv.integrations.openai.server.metrics import ServerMetrics
 
 
@@ -31,6 +32,10 @@ class Served:
     max_requests_per_tenant: int = 64
     max_requests: int = 256
     in_flight: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Decoding, tokenizing and assembling, round-robin by tenant (fair_work.py).
+    workers: FairWorkers = dataclasses.field(
+        default_factory=lambda: FairWorkers(max_per_tenant=64, max_total=256)
+    )
 
     def admit(self, tenant: str) -> None:
         """Count a request in, or refuse it (429, ``Retry-After``) when its tenant, or the
