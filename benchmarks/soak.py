@@ -11,6 +11,8 @@ coroutines mix:
   chunks, wrong content type, foreign Host, wrong key): each must get a 4xx;
 - streams the client drops after a few events, and requests whose client gives up after a
   short timeout (their prompts come from a separate pool, so they never blur the checks);
+- with ``--reuse blend``: RAG chats that opt into approximate chunk reuse, over groups of
+  text chunks in shuffled orders (each group's chunks appear only together);
 - injected failures: the model runner's forward raises on a random ``--fault-rate`` share of
   steps. The engine then fails the requests of that step and flushes its prefix cache. For
   accounting only, the soak records which prompts each injected failure hit.
@@ -27,11 +29,15 @@ Checks (the JSON report has them all; the run fails if one is broken):
   prompts share no first block (distinct first tokens). The probe can therefore only reuse
   blocks of another tenant, so its ``cached_tokens`` must be 0. ``cross_tenant_probes``
   counts the probes sent after another tenant completed the same prompt with no cache flush
-  in between (the ones that would have hit a shared block).
+  in between (the ones that would have hit a shared block). With blend on, the first blend
+  chat of a (tenant, chunk group) must also reuse nothing at another position
+  (``reused_nonprefix_tokens`` 0): the tenant never sent those chunks, so any reuse would
+  be another tenant's K/V. Blended answers are approximate; the exact requests, served by
+  the same engine meanwhile, must still equal their direct greedy calls.
 - the KV pool is all free at the end; RSS before and after are reported.
 
 Usage: ``python benchmarks/soak.py [--seconds 120] [--clients 32] [--fault-rate 0.005]
-[--model DIR | --tiny] [--json]``. ``--tiny`` serves a 2-layer random-weight checkpoint
+[--model DIR | --tiny] [--reuse blend] [--json]``. ``--tiny`` serves a 2-layer random-weight checkpoint
 (written to a temp dir, as the tests do); the default is the embedded model.
 """
 
@@ -69,6 +75,9 @@ MIX = {
 }
 VALID_PROMPTS = 24
 NOISE_PROMPTS = 16
+BLEND_SHARE = 0.15  # of the mix, with reuse="blend"
+BLEND_GROUPS = 6  # chunk groups; a blend chat sends 2-4 chunks of one group, shuffled
+BLEND_GROUP_SIZE = 4
 
 
 class InjectedFault(RuntimeError):
@@ -84,6 +93,8 @@ class SoakReport:
     valid_ok: int = 0
     streamed: int = 0
     malformed: int = 0
+    blend: int = 0  # blend chats answered
+    blend_reused_tokens: int = 0  # their reused_nonprefix_tokens, summed
     dropped_streams: int = 0
     client_timeouts: int = 0
     faults_injected: int = 0
@@ -217,8 +228,10 @@ class Soak:
         noise_prompts: list[list[int]],
         seed: int,
         mix: dict[str, float],
+        blend_groups: list[list[str]] | None = None,
     ) -> None:
         self.engine = engine
+        self.blend_groups = blend_groups or []
         self.mix = mix
         self.base_url = base_url
         self.seconds = seconds
@@ -232,6 +245,7 @@ class Soak:
         self.report = SoakReport(clients=clients)
         self.five_xx: Counter = Counter()  # prompt -> 5xx answers to valid requests
         self.noise_five_xx: Counter = Counter()  # the same for dropped streams and timeouts
+        self.blend_five_xx = 0  # 5xx answers to blend chats
         self.probed: set[tuple[str, int]] = set()
         self.probe_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.completed_epoch: dict[tuple[str, int], int] = {}  # (tenant, prompt) -> fault count
@@ -262,6 +276,8 @@ class Soak:
                 await self.malformed(http, key)
             elif kind == "dropped-stream":
                 await self.dropped_stream(http, key)
+            elif kind == "blend":
+                await self.blend(http, key)
             else:
                 await self.client_timeout(http, key)
 
@@ -350,6 +366,54 @@ class Soak:
             self.report.same_tenant_cached_hits += 1
         self.completed_epoch[(tenant, index)] = self.injector.injected
         return answer
+
+    async def blend(self, http: httpx.AsyncClient, key: str) -> None:
+        """A RAG chat opting into chunk reuse; a (tenant, group)'s first one is a probe."""
+        group = self.rng.randrange(len(self.blend_groups))
+        chunks = self.rng.sample(self.blend_groups[group], self.rng.randrange(2, 5))
+        slot = (TENANTS[key], -1 - group)  # negative: never a valid prompt's index
+        if slot not in self.probed:
+            async with self.probe_locks.setdefault(slot, asyncio.Lock()):
+                if slot not in self.probed:
+                    reused = await self.send_blend(http, key, chunks)
+                    self.probed.add(slot)
+                    if reused is None:  # failed (a fault): the next one is no clean probe
+                        return
+                    self.report.probes += 1
+                    if reused:
+                        self.report.cross_tenant_hits += 1
+                        self.problem(f"blend probe of {slot[0]}, group {group}: reused {reused}")
+                    return
+        await self.send_blend(http, key, chunks)
+
+    async def send_blend(self, http: httpx.AsyncClient, key: str, chunks: list[str]) -> int | None:
+        """Send one blend chat; its ``reused_nonprefix_tokens`` if answered (None: a 5xx)."""
+        body = {
+            "messages": [{"role": "user", "content": f"Question {self.rng.randrange(99)}?"}],
+            "ragkv": {"chunks": chunks, "system": "Answer from the context.", "reuse": "blend",
+                      "k": 4},
+            "max_tokens": 4,
+            "temperature": 0,
+        }  # fmt: skip
+        headers = {"Authorization": f"Bearer {key}"}
+        try:
+            response = await http.post("/v1/chat/completions", json=body, headers=headers)
+            answer = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.report.lost += 1
+            self.problem(f"blend chat failed on the client: {type(exc).__name__}: {exc}")
+            return None
+        if response.status_code >= 500:  # explained only by an injected fault (run_soak)
+            self.blend_five_xx += 1
+            return None
+        if response.status_code != 200:
+            self.report.lost += 1
+            self.problem(f"blend chat got {response.status_code}: {str(answer)[:200]}")
+            return None
+        reused = answer["usage"].get("reused_nonprefix_tokens", 0)
+        self.report.blend += 1
+        self.report.blend_reused_tokens += reused
+        return reused
 
     async def _stream(self, http: httpx.AsyncClient, body: dict, headers: dict) -> tuple[int, Any]:
         tokens: list[int] = []
@@ -451,8 +515,12 @@ def run_soak(
     max_requests: int = 1_000_000,
     seed: int = 0,
     mix: dict[str, float] | None = None,
+    reuse: str | None = None,
 ) -> SoakReport:
-    """Serve ``engine`` on loopback with three tenants and soak it; return the report."""
+    """Serve ``engine`` on loopback with three tenants and soak it; return the report.
+
+    ``reuse="blend"`` serves with chunk reuse on and adds blend chats to the default mix.
+    """
     from ragkv.cache_engine import SamplingParams
     from ragkv.integrations.openai.server.app import create_app
     from ragkv.integrations.openai.server.thread import ServerThread
@@ -462,7 +530,12 @@ def run_soak(
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outputs = engine.generate(valid_prompts, [params] * len(valid_prompts))
     references = {tuple(p): o.token_ids for p, o in zip(valid_prompts, outputs, strict=True)}
-    app = create_app(engine, api_keys=TENANTS, request_timeout_s=120)
+    app = create_app(engine, api_keys=TENANTS, request_timeout_s=120, reuse=reuse)
+    blend_groups = _blend_groups(seed) if reuse == "blend" else None
+    if mix is None:
+        mix = dict(MIX)
+        if blend_groups:
+            mix["blend"] = BLEND_SHARE
     rss_before = _rss_mb()
     started = time.monotonic()
     with ServerThread(app) as url, FaultInjector(engine, fault_rate, seed) as injector:
@@ -477,7 +550,8 @@ def run_soak(
             valid_prompts=valid_prompts,
             noise_prompts=noise_prompts,
             seed=seed,
-            mix=mix or MIX,
+            mix=mix,
+            blend_groups=blend_groups,
         )
         report = asyncio.run(soak.run())
         _wait_idle(engine)
@@ -492,12 +566,34 @@ def run_soak(
                 report.lost += count - explained
             if count > explained:
                 soak.problem(f"{count - explained} unexplained 5xx on a prompt")
+    known = set(references) | {tuple(p) for p in noise_prompts}
+    other_hits = sum(n for prompt, n in injector.hits.items() if prompt not in known)
+    explained = min(soak.blend_five_xx, other_hits)  # blend chats are assembled server-side
+    report.requests_failed_by_faults += explained
+    report.server_errors += soak.blend_five_xx - explained
+    report.lost += soak.blend_five_xx - explained
+    if soak.blend_five_xx > explained:
+        soak.problem(f"{soak.blend_five_xx - explained} unexplained 5xx on blend chats")
     stats = engine.stats()
     report.pool_blocks = stats.num_blocks
     report.pool_free_after = stats.num_free_blocks
     report.rss_before_mb = round(rss_before, 1)
     report.rss_after_mb = round(_rss_mb(), 1)
     return report
+
+
+def _blend_groups(seed: int) -> list[list[str]]:
+    """``BLEND_GROUPS`` groups of ``BLEND_GROUP_SIZE`` distinct chunks of 20-40 words."""
+    rng = random.Random(seed + 2)
+    words = ["cache", "block", "prefix", "token", "model", "river", "stone", "light", "paper",
+             "market", "garden", "signal", "window", "orbit", "harbor", "forest", "engine"]  # fmt: skip
+    return [
+        [
+            f"Chunk {g}.{c}: " + " ".join(rng.choice(words) for _ in range(rng.randrange(20, 41)))
+            for c in range(BLEND_GROUP_SIZE)
+        ]
+        for g in range(BLEND_GROUPS)
+    ]
 
 
 def _tiny_checkpoint() -> str:
@@ -520,6 +616,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="checkpoint dir (default: embedded)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer random-weight model")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--reuse", choices=("blend",), default=None, help="serve chunk reuse")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -540,6 +637,7 @@ def main() -> int:
             fault_rate=args.fault_rate,
             max_requests=args.max_requests,
             seed=args.seed,
+            reuse=args.reuse,
         )
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))

@@ -86,3 +86,36 @@ def test_the_soak_holds_with_kv_tiers_on_host_and_disk(soak, serve_model_dir, tm
     assert report.problems == [] and report.ok
     assert report.cross_tenant_probes > 0  # probes did follow other tenants' requests
     assert list((tmp_path / "store").rglob("*.kv"))  # the disk tier took part
+
+
+def test_the_soak_holds_with_blend_chats_and_the_disk_tier(soak, serve_model_dir, tmp_path):
+    """Blend chats (approximate chunk reuse) beside exact requests, with a disk tier: the
+    exact answers still equal direct greedy calls, no blend probe reuses another tenant's
+    chunks, nothing is lost."""
+    from ragkv.cache_engine import Engine
+
+    with Engine.from_pretrained(
+        serve_model_dir,
+        device="cpu",
+        kv_cache_tokens=4096,
+        max_model_len=1024,
+        kv_store_dir=str(tmp_path / "store"),
+        host_cache_bytes=1 << 20,
+    ) as engine:
+        report = soak.run_soak(engine, seconds=8, clients=8, fault_rate=0.02, seed=4,
+                               reuse="blend")  # fmt: skip
+    print(report)
+    assert report.lost == 0 and report.server_errors == 0 and report.mismatches == 0
+    assert report.cross_tenant_hits == 0 and report.probes > 0
+    assert report.blend > 0 and report.blend_reused_tokens > 0  # blend did reuse chunks
+    assert report.pool_free_after == report.pool_blocks
+    assert report.problems == [] and report.ok
+
+
+def test_the_blend_probe_catches_a_shared_chunk_index(soak, soak_engine, monkeypatch):
+    import ragkv.integrations.openai.server.auth as server
+
+    monkeypatch.setattr(server, "tenant_salt", lambda tenant, salt, secret=b"": salt)
+    report = soak.run_soak(soak_engine, seconds=3, clients=6, fault_rate=0.0, seed=5,
+                           mix={"blend": 1.0}, reuse="blend")  # fmt: skip
+    assert report.blend > 0 and report.cross_tenant_hits > 0 and not report.ok
