@@ -189,6 +189,7 @@ class Assembler:
         max_prompt_tokens: int | None = None,
         residency: Residency | None = None,
         stability: Mapping[str, str] | None = None,
+        chunk_order: Mapping[bytes, int] | None = None,
     ) -> PromptPlan:
         """Assemble one prompt.
 
@@ -200,6 +201,9 @@ class Assembler:
         "content"}`` turns before the question. ``stability`` overrides the class of
         ``"system"``, ``"few_shot"`` or ``"chunk"`` segments. Chunks over
         ``max_prompt_tokens`` are dropped whole (see :mod:`ragkv.assembler.budget`).
+        ``chunk_order`` (content key → rank, from a batch that knows its requests in
+        advance: :mod:`ragkv.batch`) puts the chunks it names first, by rank, and the rest
+        after, instead of the learned order; the chunks are still recorded as seen.
         """
         if not isinstance(question, str):
             raise InvalidInputError(
@@ -214,7 +218,7 @@ class Assembler:
         residency = residency if residency is not None else self.residency
         tokenized = self._tokenize(system, chunks, question, history, few_shot, overrides)
         with self._lock:
-            return self._plan(tokenized, max_prompt_tokens, residency, overrides)
+            return self._plan(tokenized, max_prompt_tokens, residency, overrides, chunk_order)
 
     def fork(self, scope: str | None = None) -> Assembler:
         """A new assembler with this one's settings, tokenizer and registry (one memory
@@ -375,11 +379,12 @@ class Assembler:
         max_prompt_tokens: int | None,
         residency: Residency | None,
         overrides: dict[SegmentKind, Stability],
+        chunk_order: Mapping[bytes, int] | None = None,
     ) -> PromptPlan:
         stats = tokenized.stats
         head, tail, boundary_slack = self._place_statics(tokenized.statics, stats)
         chunks = tokenized.chunks
-        ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats)
+        ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats, chunk_order)
         request = _Request(head, chunks, tail, tokenized.turns, tokenized.question)
         frame = self.template.frame(tuple(turn.role or "" for turn in request.turns))
 
@@ -389,7 +394,10 @@ class Assembler:
                 chunks, max_prompt_tokens, lambda kept: self._length(request, frame, kept)
             )
         head_key = _head_key(head)
-        orders = self._orders(request.chunks, ranks, head_key, stats)
+        if chunk_order is None:
+            orders = self._orders(request.chunks, ranks, head_key, stats)
+        else:  # the batch's shared order: no tree walk
+            orders = [canonical_order(request.chunks, ranks)]
         candidates = [
             (self._build(request, frame, order, stats), head_key, order) for order in orders
         ]
@@ -534,14 +542,22 @@ class Assembler:
         return found
 
     def _classify_chunks(
-        self, chunks: list[Segment], forced: Stability | None, stats: AssemblyStats
+        self,
+        chunks: list[Segment],
+        forced: Stability | None,
+        stats: AssemblyStats,
+        chunk_order: Mapping[bytes, int] | None = None,
     ) -> dict[bytes, int]:
-        """Record the request with the tracker; set each chunk's class; return stable ranks."""
+        """Record the request with the tracker; set each chunk's class; return stable ranks
+        (the tracker's, or ``chunk_order``'s when a batch gives one)."""
         tracker = self.tracker
         tracker.observe([s.key for s in chunks])
         ranks: dict[bytes, int] = {}
         for segment in chunks:
-            rank = tracker.rank(segment.key)
+            if chunk_order is None:
+                rank = tracker.rank(segment.key)
+            else:
+                rank = chunk_order.get(segment.key)
             if rank is not None:
                 ranks[segment.key] = rank
             if forced is not None:

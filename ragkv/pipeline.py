@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ragkv import batch
 from ragkv.assembler import Assembler, PromptPlan
 from ragkv.assembler.structured import SystemLike
+from ragkv.batch import DEFAULT_WINDOW
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.outputs import Output, Usage
@@ -182,19 +184,18 @@ class Pipeline:
         cache_salt: str | None = None,
         namespace: str | None = None,
         params: SamplingParams | None = None,
+        chunk_order: Mapping[bytes, int] | None = None,
     ) -> Prepared:
         """Dedup and assemble without generating (what :meth:`answer` sends to the engine).
 
         ``namespace`` picks whose learned assembler state serves the request when the
         pipeline isolates (``isolate_by_salt``); it defaults to ``cache_salt``. A server
         passes its tenant here, so a client cannot multiply namespaces by varying salts.
+        ``chunk_order`` (content key → rank) replaces the learned chunk order for this
+        request, as a batch does (:meth:`answer_batch`).
         """
         t0 = time.perf_counter()
-        chunk_list = _chunk_list(chunks)
-        if self.dedup_enabled:
-            result = self.deduplicator.dedupe(chunk_list)
-        else:
-            result = _identity_result(chunk_list)
+        result = self.dedupe(chunks)
         t1 = time.perf_counter()
         residency = None
         if self.engine.knows_residency:
@@ -206,8 +207,17 @@ class Pipeline:
             history=history,
             max_prompt_tokens=self.prompt_budget(params or self.default_params),
             residency=residency,
+            chunk_order=chunk_order,
         )
         return Prepared(result, plan, t1 - t0, time.perf_counter() - t1)
+
+    def dedupe(self, chunks: Iterable[ChunkLike]) -> DedupResult:
+        """The dedup stage alone: what the assembler gets from ``chunks`` (all of them when
+        the pipeline was built with ``dedup=False``)."""
+        chunk_list = _chunk_list(chunks)
+        if self.dedup_enabled:
+            return self.deduplicator.dedupe(chunk_list)
+        return _identity_result(chunk_list)
 
     def answer(
         self,
@@ -229,11 +239,23 @@ class Pipeline:
         prepared = self.prepare(
             question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
         )
+        return self.generate_prepared(prepared, params, cache_salt=cache_salt)
+
+    def generate_prepared(
+        self, prepared: Prepared, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> Answer:
+        """Generate the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
         output = self.engine.generate(
-            prepared.plan.token_ids,
-            params,
-            cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared.plan),
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
+        )
+        return _answer(prepared, output)
+
+    async def agenerate_prepared(
+        self, prepared: Prepared, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> Answer:
+        """Asyncio form of :meth:`generate_prepared`."""
+        output = await self.engine.agenerate(
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
         )
         return _answer(prepared, output)
 
@@ -257,7 +279,7 @@ class Pipeline:
             prepared.plan.token_ids,
             params,
             cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared.plan),
+            **self._reuse_kwargs(prepared),
         ):
             yield _answer_delta(prepared, delta)
 
@@ -275,13 +297,7 @@ class Pipeline:
         """Asyncio form of :meth:`answer`."""
         params = self._params(params, sampling)
         prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
-        output = await self.engine.agenerate(
-            prepared.plan.token_ids,
-            params,
-            cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared.plan),
-        )
-        return _answer(prepared, output)
+        return await self.agenerate_prepared(prepared, params, cache_salt=cache_salt)
 
     async def astream(
         self,
@@ -297,13 +313,112 @@ class Pipeline:
         """Asyncio form of :meth:`stream`."""
         params = self._params(params, sampling)
         prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
+        async for delta in self.astream_prepared(prepared, params, cache_salt=cache_salt):
+            yield delta
+
+    async def astream_prepared(
+        self, prepared: Prepared, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> AsyncIterator[AnswerDelta]:
+        """Stream the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
         async for delta in self.engine.astream(
-            prepared.plan.token_ids,
-            params,
-            cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared.plan),
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
         ):
             yield _answer_delta(prepared, delta)
+
+    # -- batch jobs (ragkv/batch.py) --------------------------------------------------------
+
+    def answer_batch(
+        self,
+        items: Iterable[Any],
+        *,
+        params: SamplingParams | None = None,
+        window: int = DEFAULT_WINDOW,
+        max_in_flight: int | None = None,
+        progress: bool = False,
+        return_exceptions: bool = False,
+        **sampling: Any,
+    ) -> list[Any]:
+        """Answer a batch known in advance, scheduled for reuse; answers in the caller's order.
+
+        ``items``: :class:`~ragkv.batch.BatchItem`, mappings of its fields (``question``,
+        ``chunks``, ``system``, ``history``, ``session``, ``cache_salt``) or questions. Each
+        ``window`` of items is planned together: their shared chunks get one order and the
+        items run so that those sharing a prefix run together (see :mod:`ragkv.batch`),
+        ``max_in_flight`` at once (default: the engine's ``max_num_seqs``, else 16). A failed
+        item raises (the rest are cancelled) unless ``return_exceptions``: its exception is
+        then its result. For batches too large to keep every answer, :meth:`stream_batch`.
+        """
+        return list(
+            self.stream_batch(
+                items, params=params, window=window, max_in_flight=max_in_flight,
+                progress=progress, return_exceptions=return_exceptions, **sampling,
+            )
+        )  # fmt: skip
+
+    def stream_batch(
+        self,
+        items: Iterable[Any],
+        *,
+        params: SamplingParams | None = None,
+        window: int = DEFAULT_WINDOW,
+        max_in_flight: int | None = None,
+        progress: bool = False,
+        return_exceptions: bool = False,
+        **sampling: Any,
+    ) -> Iterator[Any]:
+        """:meth:`answer_batch`, yielding answers in the caller's order a window at a time
+        (memory: one window of items, and the prompts in flight)."""
+        params = self._params(params, sampling)
+        return batch.stream(
+            self, items, params, window=window, max_in_flight=self._in_flight(max_in_flight),
+            progress=progress, return_exceptions=return_exceptions,
+        )  # fmt: skip
+
+    async def aanswer_batch(
+        self,
+        items: Iterable[Any],
+        *,
+        params: SamplingParams | None = None,
+        window: int = DEFAULT_WINDOW,
+        max_in_flight: int | None = None,
+        progress: bool = False,
+        return_exceptions: bool = False,
+        **sampling: Any,
+    ) -> list[Any]:
+        """Asyncio form of :meth:`answer_batch`."""
+        params = self._params(params, sampling)
+        return [
+            answer
+            async for answer in batch.astream(
+                self, items, params, window=window,
+                max_in_flight=self._in_flight(max_in_flight), progress=progress,
+                return_exceptions=return_exceptions,
+            )
+        ]  # fmt: skip
+
+    def astream_batch(
+        self,
+        items: Iterable[Any],
+        *,
+        params: SamplingParams | None = None,
+        window: int = DEFAULT_WINDOW,
+        max_in_flight: int | None = None,
+        progress: bool = False,
+        return_exceptions: bool = False,
+        **sampling: Any,
+    ) -> AsyncIterator[Any]:
+        """Asyncio form of :meth:`stream_batch`."""
+        params = self._params(params, sampling)
+        return batch.astream(
+            self, items, params, window=window, max_in_flight=self._in_flight(max_in_flight),
+            progress=progress, return_exceptions=return_exceptions,
+        )  # fmt: skip
+
+    def _in_flight(self, max_in_flight: int | None) -> int:
+        if max_in_flight is not None:
+            return max_in_flight
+        seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
+        return seqs if isinstance(seqs, int) and seqs > 0 else 16
 
     async def _aprepare(
         self,
@@ -344,11 +459,11 @@ class Pipeline:
         """The request's settings, checked in the caller's thread before anything is queued."""
         return resolve_params(self.default_params if params is None else params, sampling)
 
-    def _reuse_kwargs(self, plan: PromptPlan) -> dict[str, Any]:
-        """The engine's chunk reuse arguments for ``plan`` (none unless the pipeline opted in)."""
+    def _reuse_kwargs(self, prepared: Prepared) -> dict[str, Any]:
+        """The engine's chunk reuse arguments (none unless the pipeline opted in)."""
         if self.blend is None:
             return {}
-        spans = [(span.start, span.end) for span in plan.spans("chunk")]
+        spans = [(span.start, span.end) for span in prepared.plan.spans("chunk")]
         return {"chunk_spans": spans, "reuse": self.blend}
 
 

@@ -11,6 +11,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator
 from langchain_core.runnables.utils import AddableDict
 
 from ragkv.assembler.structured import SystemLike
+from ragkv.batch import BatchItem
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Deduplicator
 from ragkv.integrations.langchain.chat_model import ChatRagKV
@@ -46,6 +47,12 @@ def create_rag_chain(
     are what ``invoke()`` returns. ``reuse="blend"`` (with ``blend``) opts
     into approximate chunk reuse, as :class:`ragkv.Pipeline` does
     (``result.output.approximate``).
+
+    ``batch()`` / ``abatch()`` retrieve for every input, then answer them as one batch
+    job (:meth:`ragkv.Pipeline.answer_batch`): inputs that share documents run together
+    and share one document order. Outputs come in the inputs' order, as ``invoke()`` gives
+    them; an input may carry ``"session"`` so that its turns run in order, each with the
+    session's earlier answers as history when it has none.
     """
     pipeline = Pipeline(
         chat_model.get_engine(),
@@ -86,7 +93,101 @@ def create_rag_chain(
                 for chunk in _chunks(delta, docs):
                     yield chunk
 
-    return RunnableGenerator(transform, atransform, name="ragkv_rag_chain")
+    def items(
+        inputs: list[str | dict[str, Any]], docs: list[Any]
+    ) -> list[BatchItem | BaseException]:
+        out: list[BatchItem | BaseException] = []
+        for item, found in zip(inputs, docs, strict=True):
+            if isinstance(found, BaseException):  # the retriever failed for this input
+                out.append(found)
+                continue
+            question, settings = kwargs(item)
+            session = item.get("session") if isinstance(item, dict) else None
+            chunks = [document_to_chunk(d) for d in found]
+            out.append(BatchItem(question, chunks, system=settings["system"],
+                                 history=settings["history"], session=session,
+                                 cache_salt=settings["cache_salt"]))  # fmt: skip
+        return out
+
+    def results(
+        answers: list[Any], docs: list[Any], return_exceptions: bool
+    ) -> list[dict[str, Any] | BaseException]:
+        out: list[dict[str, Any] | BaseException] = []
+        for answer, found in zip(answers, docs, strict=True):
+            if isinstance(answer, BaseException):
+                if not return_exceptions:
+                    raise answer
+                out.append(answer)
+            else:
+                out.append(_result(answer, found))
+        return out
+
+    class RagChain(RunnableGenerator):
+        def batch(
+            self,
+            inputs: list[str | dict[str, Any]],
+            config: RunnableConfig | list[RunnableConfig] | None = None,
+            *,
+            return_exceptions: bool = False,
+            **_: Any,
+        ) -> list[Any]:
+            if not inputs:
+                return []
+            questions = [_parse(item, system)[0] for item in inputs]
+            docs = retriever.batch(questions, config, return_exceptions=return_exceptions)
+            return results(
+                _answer_items(pipeline, items(inputs, docs), chat_model, return_exceptions),
+                docs,
+                return_exceptions,
+            )
+
+        async def abatch(
+            self,
+            inputs: list[str | dict[str, Any]],
+            config: RunnableConfig | list[RunnableConfig] | None = None,
+            *,
+            return_exceptions: bool = False,
+            **_: Any,
+        ) -> list[Any]:
+            if not inputs:
+                return []
+            questions = [_parse(item, system)[0] for item in inputs]
+            docs = await retriever.abatch(questions, config, return_exceptions=return_exceptions)
+            batch = items(inputs, docs)
+            answers = await _aanswer_items(pipeline, batch, chat_model, return_exceptions)
+            return results(answers, docs, return_exceptions)
+
+    return RagChain(transform, atransform, name="ragkv_rag_chain")
+
+
+def _answer_items(
+    pipeline: Pipeline, items: list[Any], chat_model: ChatRagKV, return_exceptions: bool
+) -> list[Any]:
+    """Answers of the batch items; an input whose retrieval failed keeps its exception."""
+    valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
+    answers = pipeline.answer_batch(
+        [items[i] for i in valid], params=chat_model.sampling_params(),
+        return_exceptions=return_exceptions,
+    )  # fmt: skip
+    return _put_back(items, valid, answers)
+
+
+async def _aanswer_items(
+    pipeline: Pipeline, items: list[Any], chat_model: ChatRagKV, return_exceptions: bool
+) -> list[Any]:
+    valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
+    answers = await pipeline.aanswer_batch(
+        [items[i] for i in valid], params=chat_model.sampling_params(),
+        return_exceptions=return_exceptions,
+    )  # fmt: skip
+    return _put_back(items, valid, answers)
+
+
+def _put_back(items: list[Any], valid: list[int], answers: list[Any]) -> list[Any]:
+    out = list(items)
+    for i, answer in zip(valid, answers, strict=True):
+        out[i] = answer
+    return out
 
 
 def _chunks(delta: AnswerDelta, docs: list[Document]) -> Iterator[AddableDict]:

@@ -11,8 +11,16 @@ no-cache       off               retrieval                    no    no
 apc            on                retrieval                    no    no
 apc+assembler  on                stable-first / cache-aware   no    yes
 ragkv          on                stable-first / cache-aware   yes   yes
+ragkv-batch    on                the batch's shared order     yes   yes
 ragkv+tiers    on, + KV tiers    stable-first / cache-aware   yes   yes
 ============== ================= ============================ ===== ======================
+
+``ragkv-batch`` is the ``ragkv`` lane told the whole workload in advance: it goes through
+:meth:`ragkv.Pipeline.answer_batch`, which gives the chunks shared in the workload one order
+and runs requests that share a prefix one after another (a session's turns in order), with
+the same ``concurrency`` in flight (:mod:`ragkv.batch`). Its requests' arrival order is
+the batch's, not the workload's: the per-request timestamp of the synthetic workload's
+system prompt still varies per request.
 
 ``ragkv+tiers`` (opt-in: name it in ``--lanes``) is the ``ragkv`` lane with the same pool and
 KV tiers below it (host memory, and disk with a store directory). With ``--restart`` it
@@ -39,14 +47,15 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragkv._sync import run_coroutine
 from ragkv.bench.workload import RequestSpec, Workload
 from ragkv.errors import ConfigError
 
-LANES = ("no-cache", "apc", "apc+assembler", "ragkv")
+BATCH_LANE = "ragkv-batch"
+LANES = ("no-cache", "apc", "apc+assembler", "ragkv", BATCH_LANE)
 BLEND_LANE = "ragkv+blend"  # opt-in (--reuse blend): replays the ragkv lane's prompts
 TIERS_LANE = "ragkv+tiers"
 RESTART_LANE = "ragkv+tiers/restart"
@@ -66,6 +75,7 @@ class LaneSpec:
     tiers: bool = False  # KV tiers below the pool (host memory, disk)
     unbounded_pool: bool = False  # a pool that holds every distinct block (a reference)
     reuse: bool = False  # position-independent chunk reuse (approximate)
+    batch: bool = False  # the whole workload as one batch (Pipeline.answer_batch)
 
 
 def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list[LaneSpec]:
@@ -75,6 +85,7 @@ def lane_specs(names: Sequence[str] = LANES, order: str = "cache-aware") -> list
         "apc": LaneSpec("apc", True, "retrieval", False, False),
         "apc+assembler": LaneSpec("apc+assembler", True, order, False, True),
         "ragkv": LaneSpec("ragkv", True, order, True, True),
+        BATCH_LANE: LaneSpec(BATCH_LANE, True, order, True, True, batch=True),
         TIERS_LANE: LaneSpec(TIERS_LANE, True, order, True, True, tiers=True),
         RESTART_LANE: LaneSpec(RESTART_LANE, True, order, True, True, tiers=True),
         UNBOUNDED_LANE: LaneSpec(UNBOUNDED_LANE, True, order, True, True, unbounded_pool=True),
@@ -161,7 +172,10 @@ def run_lane(
         pipeline = build_pipeline(spec, engine)
         bar = _progress(len(workload.requests), spec.name, progress)
         t0 = time.perf_counter()
-        answers = _run_coroutine(_replay(pipeline, workload.requests, params, concurrency, bar))
+        if spec.batch:
+            answers = _run_batch(pipeline, workload.requests, params, concurrency, bar)
+        else:
+            answers = run_coroutine(_replay(pipeline, workload.requests, params, concurrency, bar))
         wall_s = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -198,7 +212,7 @@ def run_blend_lane(
     load_s = time.perf_counter() - started
     try:
         t0 = time.perf_counter()
-        outputs = _run_coroutine(_replay_plans(engine, exact, params, blend, concurrency))
+        outputs = run_coroutine(_replay_plans(engine, exact, params, blend, concurrency))
         wall_s = time.perf_counter() - t0
         stats = engine.stats()
         kv_tokens = engine.kv_cache_tokens
@@ -255,14 +269,24 @@ async def _replay_plans(
         raise
 
 
-def _run_coroutine(coro: Any) -> Any:
-    """``asyncio.run``, also from code that already runs an event loop (Jupyter)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+def _run_batch(
+    pipeline: Any, requests: Sequence[RequestSpec], params: Any, concurrency: int, bar: Any
+) -> list[Any]:
+    """The workload as one batch: a follow-up's history is its session's earlier answers."""
+    from ragkv.batch import BatchItem
+
+    items = [
+        BatchItem(r.question, r.chunks, system=r.system, history=r.history, session=r.session_id)
+        for r in requests
+    ]
+    answers = []
+    for answer in pipeline.stream_batch(
+        items, params=params, max_in_flight=concurrency, window=max(1, len(items))
+    ):
+        answers.append(answer)
+        if bar is not None:
+            bar.update(1)
+    return answers
 
 
 async def _replay(

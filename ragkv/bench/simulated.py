@@ -15,12 +15,12 @@ and time (``timings`` are zero). Sizing a deployment from a trace is what it is 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
-from ragkv.cache_engine.outputs import EngineStats, Output, Timings, Usage
+from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import ConfigError, PromptTooLongError
 
@@ -139,6 +139,19 @@ class SimulatedEngine:
         cache_salt: str | None = None,
     ) -> Output:
         return self.generate(prompt, params, cache_salt=cache_salt)
+
+    async def astream(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """The whole output as one delta (nothing is generated step by step here)."""
+        output = self.generate(prompt, params, cache_salt=cache_salt)
+        yield StreamDelta(
+            output.request_id, output.text, list(output.token_ids), output.finish_reason, output
+        )
 
     def stats(self) -> EngineStats:
         """Counters as the engine keeps them (prefill computed and reused, evictions, pool)."""
