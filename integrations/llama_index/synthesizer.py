@@ -15,6 +15,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragkv.assembler.structured import SystemLike
+from ragkv.batch import BatchItem
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Chunk, Deduplicator
 from ragkv.dedup.merge import DUPLICATES
@@ -119,6 +120,46 @@ class RagKVSynthesizer(BaseSynthesizer):
         answer = await self.pipeline.aanswer(question, chunks, **self._call_kwargs())
         return Response(answer.text, source_nodes=sources, metadata=_metadata(answer, nodes))
 
+    def synthesize_batch(
+        self,
+        queries: Sequence[tuple[str | QueryBundle, list[NodeWithScore]]],
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Response | BaseException]:
+        """Responses to many (query, retrieved nodes) pairs, answered as one batch job
+        (:meth:`ragkv.Pipeline.answer_batch`): queries that share nodes run together and
+        share one node order. Responses come in the queries' order (never streaming)."""
+        items, nodes = self._batch_items(queries)
+        answers = self.pipeline.answer_batch(
+            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+        )
+        return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
+
+    async def asynthesize_batch(
+        self,
+        queries: Sequence[tuple[str | QueryBundle, list[NodeWithScore]]],
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Response | BaseException]:
+        """Asyncio form of :meth:`synthesize_batch`."""
+        items, nodes = self._batch_items(queries)
+        answers = await self.pipeline.aanswer_batch(
+            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+        )
+        return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
+
+    def _batch_items(
+        self, queries: Sequence[tuple[str | QueryBundle, list[NodeWithScore]]]
+    ) -> tuple[list[BatchItem], list[list[NodeWithScore]]]:
+        items, nodes = [], []
+        for query, found in queries:
+            question = query.query_str if isinstance(query, QueryBundle) else query
+            chunks = [node_to_chunk(n, self.metadata_mode) for n in found]
+            items.append(BatchItem(question, chunks, system=self.system,
+                                   cache_salt=self._llm.cache_salt))  # fmt: skip
+            nodes.append(found)
+        return items, nodes
+
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
         """The answer text for plain text chunks (the ``BaseSynthesizer`` hook)."""
         return self.pipeline.answer(query_str, text_chunks, **self._call_kwargs()).text
@@ -134,6 +175,12 @@ class RagKVSynthesizer(BaseSynthesizer):
             "params": self._llm.sampling_params(),
             "cache_salt": self._llm.cache_salt,
         }
+
+
+def _response(answer: Answer | BaseException, nodes: list[NodeWithScore]) -> Any:
+    if isinstance(answer, BaseException):
+        return answer
+    return Response(answer.text, source_nodes=nodes, metadata=_metadata(answer, nodes))
 
 
 def _metadata(answer: Answer, nodes: Sequence[NodeWithScore]) -> dict[str, Any]:

@@ -242,3 +242,27 @@ def test_rag_chain_passes_chunk_reuse_through_the_pipeline(engine, passages):
     assert not first.output.approximate  # nothing known yet: exact, and its chunks recorded
     moved = chain([passages[3], passages[2], passages[0]]).invoke("And this?")["result"]
     assert moved.output.approximate and moved.usage.reused_nonprefix_tokens > 0
+
+
+def test_rag_chain_batch_answers_every_input_as_invoke_does(engine, passages):
+    class PerQuestion(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager, **kwargs):
+            picks = {"one?": [0, 1], "two?": [2], "three?": [1, 0]}[query]
+            return [Document(passages[i], metadata={"source": f"{i}.txt"}) for i in picks]
+
+    chain = create_rag_chain(PerQuestion(), ChatRagKV(engine=engine, max_tokens=3))
+    inputs = ["one?", {"question": "two?"}, "three?"]
+    batch = chain.batch(inputs)
+    assert [len(out["documents"]) for out in batch] == [2, 1, 2]
+    for out in batch:  # greedy: each is the engine's own answer to its prompt
+        alone = engine.generate(out["plan"].token_ids, ChatRagKV(engine=engine, max_tokens=3)
+                                .sampling_params())  # fmt: skip
+        assert out["answer"] == alone.text
+        assert out["usage"]["input_tokens"] == len(out["plan"].token_ids)
+    one, three = batch[0]["plan"], batch[2]["plan"]
+    assert [s.content_hash for s in one.spans("chunk")] == [
+        s.content_hash for s in three.spans("chunk")
+    ]  # the same two documents in one order
+    again = asyncio.run(chain.abatch(inputs))
+    assert [out["answer"] for out in again] == [out["answer"] for out in batch]
+    assert chain.batch([]) == []

@@ -232,3 +232,25 @@ def test_formatted_completion_sends_the_prompt_verbatim(engine):
     ids = engine.tokenizer("plain text", add_special_tokens=False).input_ids
     assert raw.additional_kwargs["prompt_tokens"] == len(ids)
     assert templated.additional_kwargs["prompt_tokens"] > len(ids)
+
+
+def test_synthesize_batch_answers_each_query_as_synthesize_does(engine, passages):
+    def nodes(*which):
+        return [NodeWithScore(node=TextNode(text=passages[i], id_=f"n{i}"), score=1.0 - i / 10)
+                for i in which]  # fmt: skip
+
+    synth = RagKVSynthesizer(RagKVLLM(engine=engine, max_tokens=3, temperature=0), system="Brief.")
+    queries = [("First?", nodes(0, 1)), ("Second?", nodes(2)), ("Third?", nodes(1, 0))]
+    batch = synth.synthesize_batch(queries)
+    assert [r.source_nodes for r in batch] == [q[1] for q in queries]
+    for response in batch:  # greedy: the engine's own answer to that response's prompt
+        plan = response.metadata["plan"]
+        alone = engine.generate(plan.token_ids, RagKVLLM(engine=engine, max_tokens=3,
+                                                         temperature=0).sampling_params())  # fmt: skip
+        assert response.response == alone.text
+    first, third = batch[0].metadata["plan"], batch[2].metadata["plan"]
+    assert [s.content_hash for s in first.spans("chunk")] == [
+        s.content_hash for s in third.spans("chunk")
+    ]  # the same two nodes, one order
+    again = asyncio.run(synth.asynthesize_batch(queries))
+    assert [r.response for r in again] == [r.response for r in batch]
