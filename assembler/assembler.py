@@ -100,6 +100,10 @@ class _Tokenized:
     moved: list[str] = field(default_factory=list)
 
 
+# Learned ranks go after a batch's path (chunk_order ranks are below this).
+_PATH_RANKS = 1 << 40
+
+
 class Assembler:
     """Builds :class:`PromptPlan` s from system prompt, retrieved chunks and question.
 
@@ -203,7 +207,7 @@ class Assembler:
         ``max_prompt_tokens`` are dropped whole (see :mod:`ragkv.assembler.budget`).
         ``chunk_order`` (content key → rank, from a batch that knows its requests in
         advance: :mod:`ragkv.batch`) puts the chunks it names first, by rank, and the rest
-        after, instead of the learned order; the chunks are still recorded as seen.
+        after them in the learned order; the chunks are still recorded as seen.
         """
         if not isinstance(question, str):
             raise InvalidInputError(
@@ -554,10 +558,10 @@ class Assembler:
         tracker.observe([s.key for s in chunks])
         ranks: dict[bytes, int] = {}
         for segment in chunks:
-            if chunk_order is None:
-                rank = tracker.rank(segment.key)
-            else:
-                rank = chunk_order.get(segment.key)
+            rank = tracker.rank(segment.key)
+            if chunk_order is not None:  # the batch's path first, then the learned order
+                path = chunk_order.get(segment.key)
+                rank = path if path is not None else None if rank is None else _PATH_RANKS + rank
             if rank is not None:
                 ranks[segment.key] = rank
             if forced is not None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ragkv._sync import run_coroutine
-from ragkv.assembler.structured import SystemLike
+from ragkv.assembler.structured import SystemLike, system_parts
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import InvalidInputError, RagkvError
 
@@ -156,8 +156,8 @@ def plan_window(
     chunk held by several items of the node becomes the next chunk of all of them, which
     form its subtree; the others stay at the node, for its next child. The chunk is the one
     whose subtree shares the most at its first two levels (:func:`_next_chunk`).
-    A chunk held by one item of a node ends that item's path: its remaining chunks follow
-    in their retrieval order. Running the items depth-first, each runs right after the
+    A chunk held by one item of a node ends that item's path; the rank map names only the
+    path (the assembler places the other chunks after it, in its learned order). Running the items depth-first, each runs right after the
     items it shares the longest chunk prefix with.
     """
     first: dict[bytes, int] = {}
@@ -186,13 +186,7 @@ def plan_window(
         if outside:
             stack.append((outside, depth))  # the node's next child, after this subtree
         stack.append((inside, depth + 1))
-    ranks = []
-    for i, path in enumerate(paths):
-        rank = {key: r for r, key in enumerate(path)}
-        for key in chunk_keys[i]:
-            rank.setdefault(key, len(rank))
-        ranks.append(rank)
-    return order, ranks
+    return order, [{key: r for r, key in enumerate(path)} for path in paths]
 
 
 # Candidates scored per tree node (the most frequent); the score looks one level deeper.
@@ -410,7 +404,16 @@ def _chunk_keys(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[list[by
 
 
 def _system_key(system: SystemLike | None) -> str:
-    return system if isinstance(system, str) else repr(system) if system is not None else ""
+    """What groups items by system prompt: its opening (a template's first sentence), not
+    the whole text, which often holds a date or a user's name that changes every time."""
+    parts = system_parts(system)
+    if not parts:
+        return ""
+    first = parts[0]
+    return (first if isinstance(first, str) else first.text)[:_HEAD_CHARS]
+
+
+_HEAD_CHARS = 64  # about one 16-token block
 
 
 async def astream(

@@ -56,7 +56,7 @@ def test_items_sharing_chunks_run_together_with_the_shared_ones_first():
 
     assert [chunks(i)[0] for i in (0, 2, 4)] == [k("a")] * 3  # the shared chunk leads
     assert chunks(1)[:2] == chunks(3)[:2] == [k("b"), k("c")]  # one order for both
-    assert chunks(2) == [k("a"), k("x2")]  # the rest keeps its retrieval order
+    assert chunks(2) == [k("a")]  # only the path: the assembler orders the rest itself
     # each waits for the prefill of the one before it in its subtree
     assert prefix_leaders(order, ranks, [""] * 5) == {2: 0, 4: 2, 3: 1}
 
@@ -77,6 +77,7 @@ def test_a_generic_chunk_does_not_split_a_topic():
     topic = [i for i in order if k("t1") in ranks[i]]
     assert topic == order[: len(topic)] or topic == order[-len(topic) :]
     assert all(sorted(ranks[i], key=ranks[i].get)[:2] == [k("t1"), k("t2")] for i in topic)
+    assert all(ranks[i] == {} for i in order if i not in topic and k("g") not in keys[i])
 
 
 def test_heads_never_mix_and_a_session_keeps_its_turns_in_order():
