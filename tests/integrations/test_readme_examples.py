@@ -51,3 +51,11 @@ def test_readme_quick_start_runs(capsys):
     assert ans.dedup.duplicates_dropped == 1 and ans.usage.completion_tokens <= 32
     out = capsys.readouterr().out
     assert ans.text in out and ans.prompt_text in out
+
+
+@pytest.mark.slow
+def test_readme_batch_example_runs(capsys):
+    namespace: dict = {}
+    exec(compile(snippet("Batch jobs"), "README.md#batch-jobs", "exec"), namespace)
+    assert namespace["answer"].text in capsys.readouterr().out
+    assert namespace["pipe"].engine.stats().prefill_tokens_reused > 0  # France's chunk, reused
