@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -40,6 +39,7 @@ from ragkv.integrations.openai.client_reader import (
     output_of,
     transport_error,
 )
+from ragkv.integrations.openai.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from ragkv.integrations.openai.routing import ReplicaRouter
@@ -53,14 +53,16 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 class RemoteEngine:
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
-    ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``model`` defaults to the
-    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size, which the
-    assembler aligns stable segments to (default: ragkv's own, ``DEFAULTS.block_size``; vLLM's
-    is 16 too). ``cache_salt`` is the default salt for calls that pass none. ``timeout_s``
-    bounds each read of an attempt (connect, and each read of a stream), ``deadline_s`` the
-    whole answer (a server that trickles bytes cannot hold a call longer); answers are read
-    up to 16 MiB and SSE lines up to 1 Mi characters. ``max_retries`` attempts follow a
-    retryable failure.
+    ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``tokenizer`` is the server
+    model's, as :func:`~ragkv.integrations.openai.tokenizer.load_tokenizer` takes it
+    (``"embedded"``, a local directory, a cached hub id or a tokenizer object). ``model``
+    defaults to the first id ``GET /v1/models`` lists. ``block_size`` is the server's KV
+    block size, which the assembler aligns stable segments to (default: ragkv's own,
+    ``DEFAULTS.block_size``; vLLM's is 16 too). ``cache_salt`` is the default salt for calls
+    that pass none. ``timeout_s`` bounds each read of an attempt (connect, and each read of
+    a stream), ``deadline_s`` the whole answer (a server that trickles bytes cannot hold a
+    call longer); answers are read up to 16 MiB and SSE lines up to 1 Mi characters.
+    ``max_retries`` attempts follow a retryable failure.
     """
 
     def __init__(
@@ -86,7 +88,7 @@ class RemoteEngine:
             )
         self.deadline_s = deadline_s
         self.base_url = base_url.rstrip("/")
-        self.tokenizer = _load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.max_retries = max_retries
@@ -426,41 +428,6 @@ def _refuses_token_ids(message: str) -> bool:
     return "prompt" in text and any(
         word in text for word in ("string", "str", "type", "token id", "integer", "list")
     )
-
-
-EMBEDDED = "embedded"  # tokenizer="embedded": the embedded default model's, offline
-
-
-def _load_tokenizer(tokenizer: Any) -> Any:
-    """The tokenizer object for ``tokenizer``: ``"embedded"`` (the embedded default model's,
-    what ``ragkv serve`` without ``--model`` uses), a local directory, or a hub id that is
-    already in the local Hugging Face cache. Never downloads: offline, a missing tokenizer
-    is one clear error at once instead of a minute of retries."""
-    if tokenizer is None:
-        raise InvalidInputError(
-            "RemoteEngine needs the server's tokenizer: 'embedded' (a ragkv serve of the "
-            "embedded model), a local tokenizer directory, or a tokenizer object",
-            param="tokenizer",
-        )
-    if not isinstance(tokenizer, str | os.PathLike):
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    if tokenizer == EMBEDDED:
-        from ragkv.cache_engine import default_model_path
-
-        return AutoTokenizer.from_pretrained(default_model_path())
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    except OSError as exc:
-        raise InvalidInputError(
-            f"no tokenizer found for {str(tokenizer)!r} on this machine (local directory or "
-            "the local Hugging Face cache; ragkv downloads nothing: `hf download ID "
-            "--local-dir DIR` where there is network). Pass the server model's tokenizer "
-            "directory, or tokenizer='embedded' for a ragkv serve of the embedded model "
-            f"({exc.__class__.__name__}: {str(exc)[:200]})",
-            param="tokenizer",
-        ) from exc
 
 
 __all__ = ["RemoteEngine"]

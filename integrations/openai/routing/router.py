@@ -228,9 +228,10 @@ class ReplicaRouter:
         ``index_blocks``, ``backoff_s``, ...).
         """
         from ragkv.cache_engine.config import DEFAULTS
-        from ragkv.integrations.openai.client import RemoteEngine, _load_tokenizer
+        from ragkv.integrations.openai.client import RemoteEngine
+        from ragkv.integrations.openai.tokenizer import load_tokenizer
 
-        tok = _load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer)
         replicas = [
             RemoteEngine(
                 url,
