@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -40,9 +40,6 @@ from ragkv.integrations.openai.client_reader import (
     transport_error,
 )
 from ragkv.integrations.openai.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from ragkv.integrations.openai.routing import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +104,6 @@ class RemoteEngine:
         )
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
-
-    @staticmethod
-    def replicas(
-        urls: Sequence[str], *, tokenizer: Any, routing: str = "prefix", **options: Any
-    ) -> ReplicaRouter:
-        """A :class:`~ragkv.integrations.openai.routing.ReplicaRouter` over one
-        ``RemoteEngine`` per URL, routed by ``routing`` (``prefix``, ``least-loaded``,
-        ``round-robin``). ``options``: RemoteEngine settings (``model``, ``api_key``,
-        ``block_size``, ``cache_salt``, ``timeout_s``) and router settings
-        (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...)."""
-        from ragkv.integrations.openai.routing import ReplicaRouter
-
-        return ReplicaRouter.from_urls(urls, tokenizer=tokenizer, routing=routing, **options)
 
     # -- the Engine surface (EngineLike) ------------------------------------------------------
     knows_residency = False
