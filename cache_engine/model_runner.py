@@ -109,7 +109,7 @@ class ModelRunner:
             num_blocks = max(1, (kv_cache_bytes or 0) // self.bytes_per_block())
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # Allocated once; nothing grows past it (invariant 5).
+        # Allocated once; nothing grows past it (Invariant 5).
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

@@ -2,7 +2,7 @@
 
 A block evicted from the KV pool can live on in host memory (:class:`HostStore`) and on disk
 (:class:`DiskStore`), keyed by its chained block hash and verified on the way back against
-its full hash input and a payload checksum (ARCHITECTURE.md, Invariant 7).
+its full hash input and a payload checksum (Invariant 7, docs/invariants.md).
 :class:`KVTiers` puts the two together behind a non-blocking write queue.
 """
 

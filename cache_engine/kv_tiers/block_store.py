@@ -16,7 +16,7 @@ class BlockStore(Protocol):
     Thread-safe: a worker thread writes while the engine's step thread reads. An entry keeps
     the block's full hash input (parent hash, token ids, extra keys incl. model identity and
     salt digest) and a checksum of its payload; ``get`` verifies both, so a tier is a cache
-    and never a source of truth (ARCHITECTURE.md, Invariant 7).
+    and never a source of truth (Invariant 7, docs/invariants.md).
     """
 
     name: str  # "host" | "disk"

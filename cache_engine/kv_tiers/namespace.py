@@ -3,8 +3,8 @@
 A store directory holds one subdirectory per :class:`StoreNamespace`, named by its digest.
 Anything that changes the K/V of a block for the same hash input (other weights at the same
 path, another dtype, block size, hash algorithm or payload layout) is part of the namespace,
-so an engine only ever sees entries computed by an identical setup (ARCHITECTURE.md,
-Invariant 7). The salt is not: it is part of every block's hash input, verified on load.
+so an engine only ever sees entries computed by an identical setup (Invariant 7,
+docs/invariants.md). The salt is not: it is part of every block's hash input, verified on load.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The disk tier's trust boundary on the file system (ARCHITECTURE.md, Invariant 11).
+"""The disk tier's trust boundary on the file system (Invariant 11, docs/invariants.md).
 
 A store directory holds every tenant's prompts and outputs as token ids, so only the
 server's own user may read or write it:

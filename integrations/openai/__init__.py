@@ -3,10 +3,12 @@
 - :mod:`.protocol`, :mod:`.responses`, :mod:`.schemas`: the request and response shapes
   (``ragkv serve``'s parsing, bodies and JSON Schemas).
 - :mod:`.client`: :class:`RemoteEngine`, an :class:`~ragkv.cache_engine.engine_like.EngineLike`
-  over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers.
-- :mod:`.routing`: :class:`ReplicaRouter`, one EngineLike over several replicas, routed by
-  cached prefix (``RemoteEngine.replicas([...])``).
+  over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers;
+  :mod:`.tokenizer`: :func:`load_tokenizer`, the server model's tokenizer it assembles with.
 - :mod:`.server`: ``ragkv serve``, the FastAPI app (``pip install ragkv[server]``).
+
+Routing over several replicas is not an OpenAI feature but an engine combinator:
+:mod:`ragkv.integrations.routing`.
 
 Names load lazily: ``ragkv --help`` imports the server's CLI module, which must not pull
 in httpx clients or FastAPI.
@@ -19,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ragkv.integrations.openai.client import RemoteEngine
-    from ragkv.integrations.openai.routing import ReplicaRouter
+    from ragkv.integrations.openai.tokenizer import load_tokenizer
 
 
 def __getattr__(name: str) -> Any:
     if name == "RemoteEngine":
         return importlib.import_module("ragkv.integrations.openai.client").RemoteEngine
-    if name == "ReplicaRouter":
-        return importlib.import_module("ragkv.integrations.openai.routing").ReplicaRouter
+    if name == "load_tokenizer":
+        return importlib.import_module("ragkv.integrations.openai.tokenizer").load_tokenizer
     raise AttributeError(f"module 'ragkv.integrations.openai' has no attribute {name!r}")
 
 
-__all__ = ["RemoteEngine", "ReplicaRouter"]
+__all__ = ["RemoteEngine", "load_tokenizer"]

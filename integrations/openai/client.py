@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -40,9 +39,7 @@ from ragkv.integrations.openai.client_reader import (
     output_of,
     transport_error,
 )
-
-if TYPE_CHECKING:
-    from ragkv.integrations.openai.routing import ReplicaRouter
+from ragkv.integrations.openai.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +50,16 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 class RemoteEngine:
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
-    ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``model`` defaults to the
-    first id ``GET /v1/models`` lists. ``block_size`` is the server's KV block size, which the
-    assembler aligns stable segments to (default: ragkv's own, ``DEFAULTS.block_size``; vLLM's
-    is 16 too). ``cache_salt`` is the default salt for calls that pass none. ``timeout_s``
-    bounds each read of an attempt (connect, and each read of a stream), ``deadline_s`` the
-    whole answer (a server that trickles bytes cannot hold a call longer); answers are read
-    up to 16 MiB and SSE lines up to 1 Mi characters. ``max_retries`` attempts follow a
-    retryable failure.
+    ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``tokenizer`` is the server
+    model's, as :func:`~ragkv.integrations.openai.tokenizer.load_tokenizer` takes it
+    (``"embedded"``, a local directory, a cached hub id or a tokenizer object). ``model``
+    defaults to the first id ``GET /v1/models`` lists. ``block_size`` is the server's KV
+    block size, which the assembler aligns stable segments to (default: ragkv's own,
+    ``DEFAULTS.block_size``; vLLM's is 16 too). ``cache_salt`` is the default salt for calls
+    that pass none. ``timeout_s`` bounds each read of an attempt (connect, and each read of
+    a stream), ``deadline_s`` the whole answer (a server that trickles bytes cannot hold a
+    call longer); answers are read up to 16 MiB and SSE lines up to 1 Mi characters.
+    ``max_retries`` attempts follow a retryable failure.
     """
 
     def __init__(
@@ -86,7 +85,7 @@ class RemoteEngine:
             )
         self.deadline_s = deadline_s
         self.base_url = base_url.rstrip("/")
-        self.tokenizer = _load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.max_retries = max_retries
@@ -105,19 +104,6 @@ class RemoteEngine:
         )
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
-
-    @staticmethod
-    def replicas(
-        urls: Sequence[str], *, tokenizer: Any, routing: str = "prefix", **options: Any
-    ) -> ReplicaRouter:
-        """A :class:`~ragkv.integrations.openai.routing.ReplicaRouter` over one
-        ``RemoteEngine`` per URL, routed by ``routing`` (``prefix``, ``least-loaded``,
-        ``round-robin``). ``options``: RemoteEngine settings (``model``, ``api_key``,
-        ``block_size``, ``cache_salt``, ``timeout_s``) and router settings
-        (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...)."""
-        from ragkv.integrations.openai.routing import ReplicaRouter
-
-        return ReplicaRouter.from_urls(urls, tokenizer=tokenizer, routing=routing, **options)
 
     # -- the Engine surface (EngineLike) ------------------------------------------------------
     knows_residency = False
@@ -426,41 +412,6 @@ def _refuses_token_ids(message: str) -> bool:
     return "prompt" in text and any(
         word in text for word in ("string", "str", "type", "token id", "integer", "list")
     )
-
-
-EMBEDDED = "embedded"  # tokenizer="embedded": the embedded default model's, offline
-
-
-def _load_tokenizer(tokenizer: Any) -> Any:
-    """The tokenizer object for ``tokenizer``: ``"embedded"`` (the embedded default model's,
-    what ``ragkv serve`` without ``--model`` uses), a local directory, or a hub id that is
-    already in the local Hugging Face cache. Never downloads: offline, a missing tokenizer
-    is one clear error at once instead of a minute of retries."""
-    if tokenizer is None:
-        raise InvalidInputError(
-            "RemoteEngine needs the server's tokenizer: 'embedded' (a ragkv serve of the "
-            "embedded model), a local tokenizer directory, or a tokenizer object",
-            param="tokenizer",
-        )
-    if not isinstance(tokenizer, str | os.PathLike):
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    if tokenizer == EMBEDDED:
-        from ragkv.cache_engine import default_model_path
-
-        return AutoTokenizer.from_pretrained(default_model_path())
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    except OSError as exc:
-        raise InvalidInputError(
-            f"no tokenizer found for {str(tokenizer)!r} on this machine (local directory or "
-            "the local Hugging Face cache; ragkv downloads nothing: `hf download ID "
-            "--local-dir DIR` where there is network). Pass the server model's tokenizer "
-            "directory, or tokenizer='embedded' for a ragkv serve of the embedded model "
-            f"({exc.__class__.__name__}: {str(exc)[:200]})",
-            param="tokenizer",
-        ) from exc
 
 
 __all__ = ["RemoteEngine"]

@@ -22,22 +22,30 @@ from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.sampling_params import (
+    MAX_STOP_STRINGS,
     json_field,
     json_ints,
     openai_fields,
 )
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
-from ragkv.integrations.openai.server.cli import (
-    DEFAULT_MAX_CHUNK_BYTES,
-    DEFAULT_MAX_CHUNKS,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_MAX_RAG_BYTES,
-    DEFAULT_MAX_STOP_STRINGS,
-    DEFAULT_MAX_TEXT_BYTES,
-)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# Wire limits: the defaults of RequestLimits and of their `ragkv serve` flags.
+# RAG limits. Measured on 2 CPU cores: one request with an 8 MB chunk made a small RAG
+# request wait 11.9 s instead of 0.31 s, and eight 2 MB RAG requests made a plain completion
+# wait 13.8 s (tokenizing and hashing hold the GIL). 256 KiB of chunks is ~64k tokens, more
+# than most contexts hold, so an honest request never reaches these.
+DEFAULT_MAX_CHUNK_BYTES = 32 << 10
+DEFAULT_MAX_CHUNKS = 64
+DEFAULT_MAX_RAG_BYTES = 256 << 10
+# The rest of a request's text (messages, a string prompt, ragkv.system), bounded before
+# tokenizing like the chunks: six 7 MB chats once made another tenant's small chat take 67 s.
+DEFAULT_MAX_TEXT_BYTES = 1 << 20
+DEFAULT_MAX_MESSAGES = 256
+# The engine's own cap (OpenAI's 4): the flag can only lower it.
+DEFAULT_MAX_STOP_STRINGS = MAX_STOP_STRINGS
 
 
 class APIError(Exception):

@@ -1,7 +1,7 @@
 """Replica lanes of ``ragkv bench --replicas N --routing POLICY[,POLICY...]``.
 
 One lane per routing policy: the workload through ``N`` in-process engines, each with 1/N of
-the KV pool, behind :class:`~ragkv.integrations.openai.routing.ReplicaRouter` (the router
+the KV pool, behind :class:`~ragkv.integrations.routing.ReplicaRouter` (the router
 code that fronts ``ragkv serve``, vLLM or SGLang replicas over HTTP; in process here so the
 bench fits one small machine, and so every replica's prefill tokens are counted exactly).
 Plus one reference lane, ``1x whole pool``: one engine holding the whole pool, behind a
@@ -81,7 +81,7 @@ def _is_number(value: Any) -> bool:
 
 def routing_lanes(policies: Sequence[str], replicas: int) -> list[str]:
     """Lane names: the whole-pool reference, then one per policy."""
-    from ragkv.integrations.openai.routing import POLICIES
+    from ragkv.integrations.routing import POLICIES
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
@@ -102,7 +102,7 @@ def run_replica_bench(
     from transformers import AutoTokenizer
 
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
-    from ragkv.integrations.openai.routing import ReplicaRouter
+    from ragkv.integrations.routing import ReplicaRouter
 
     names = routing_lanes(policies, replicas)
     path = model_path(config.model)

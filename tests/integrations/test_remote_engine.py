@@ -299,6 +299,16 @@ def test_tokenizer_embedded_or_a_clear_error_offline(tmp_path, monkeypatch):
     assert info.value.param == "tokenizer" and time.perf_counter() - started < 10
 
 
+def test_load_tokenizer_passes_objects_through_and_refuses_none():
+    from ragkv.errors import InvalidInputError
+    from ragkv.integrations.openai import load_tokenizer
+
+    tokenizer = object()  # anything that is not a name or path is the tokenizer itself
+    assert load_tokenizer(tokenizer) is tokenizer
+    with pytest.raises(InvalidInputError, match="needs the server's tokenizer"):
+        load_tokenizer(None)
+
+
 def test_answers_are_bounded_in_size_time_and_shape(monkeypatch):
     """A misbehaving server cannot hold a call (trickling bytes), flood memory (a huge body
     or SSE line) or crash it with a malformed answer: each is a RemoteEngineError."""

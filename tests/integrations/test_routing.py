@@ -16,9 +16,9 @@ import pytest
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
 from ragkv.errors import EngineClosedError, InvalidInputError, RemoteEngineError
-from ragkv.integrations.openai.routing import ReplicaRouter
-from ragkv.integrations.openai.routing.policies import Candidate, rank
-from ragkv.integrations.openai.routing.prefix_index import PrefixIndex
+from ragkv.integrations.routing import ReplicaRouter
+from ragkv.integrations.routing.policies import Candidate, rank
+from ragkv.integrations.routing.prefix_index import PrefixIndex
 
 BS = 4
 

@@ -1,5 +1,5 @@
 """ReplicaRouter end to end: three ``ragkv serve`` replicas on loopback (in-thread uvicorn,
-tiny random-weight model, small KV pools each), driven through ``RemoteEngine.replicas``."""
+tiny random-weight model, small KV pools each), driven through ``ReplicaRouter.from_urls``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ragkv.cache_engine import SamplingParams
-from ragkv.integrations.openai import RemoteEngine
+from ragkv.integrations.routing import ReplicaRouter
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
 DOC_TOKENS = 64  # four 16-token blocks
@@ -56,7 +56,7 @@ def test_shared_prefix_requests_land_together_and_reuse_the_cache(
     replicas, serve_model_dir, api_key
 ):
     engines, _, urls = replicas
-    with RemoteEngine.replicas(urls, tokenizer=serve_model_dir, api_key=api_key) as router:
+    with ReplicaRouter.from_urls(urls, tokenizer=serve_model_dir, api_key=api_key) as router:
         firsts = [router.generate(prompt(d, 0), PARAMS) for d in range(3)]
         assert [o.usage.cached_tokens for o in firsts] == [0, 0, 0]
         assert served(engines) == [1, 1, 1]  # three cold documents, three replicas
@@ -69,7 +69,7 @@ def test_shared_prefix_requests_land_together_and_reuse_the_cache(
         assert sum(r.reported_cached_tokens for r in s.replicas) == 9 * DOC_TOKENS
     # Round-robin over the same servers (another salt, so nothing above is reused) spreads
     # each document over the replicas: its follow-ups mostly recompute it.
-    with RemoteEngine.replicas(
+    with ReplicaRouter.from_urls(
         urls, tokenizer=serve_model_dir, api_key=api_key, routing="round-robin"
     ) as rr:
         cached = [
@@ -82,7 +82,7 @@ def test_shared_prefix_requests_land_together_and_reuse_the_cache(
 
 def test_killing_a_replica_mid_run_loses_no_request(replicas, serve_model_dir, api_key):
     engines, threads, urls = replicas
-    router = RemoteEngine.replicas(
+    router = ReplicaRouter.from_urls(
         urls, tokenizer=serve_model_dir, api_key=api_key, timeout_s=20, backoff_s=30
     )
     for d in range(3):  # one document per replica
@@ -120,7 +120,6 @@ def test_killing_a_replica_mid_run_loses_no_request(replicas, serve_model_dir, a
 
 def test_pipeline_runs_unchanged_over_in_process_replicas(replicas):
     import ragkv
-    from ragkv.integrations.openai.routing import ReplicaRouter
 
     engines, _, _ = replicas
     router = ReplicaRouter(engines)  # in-process engines: no HTTP
@@ -146,7 +145,7 @@ def test_framework_adapters_run_over_the_router(replicas, serve_model_dir, api_k
     from ragkv.integrations.llama_index import RagKVLLM
 
     _, _, urls = replicas
-    with RemoteEngine.replicas(urls, tokenizer=serve_model_dir, api_key=api_key) as router:
+    with ReplicaRouter.from_urls(urls, tokenizer=serve_model_dir, api_key=api_key) as router:
         chat = ChatRagKV(engine=router, max_tokens=2)
         question = [HumanMessage("tell me about paged attention " * 8)]
         first, second = chat.invoke(question), chat.invoke(question)

@@ -55,7 +55,15 @@ from ragkv.integrations.openai import schemas
 from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
 from ragkv.integrations.openai.server import auth
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
-from ragkv.integrations.openai.server.cli import (
+from ragkv.integrations.openai.server.errors import (
+    ClientGone,
+    add_error_handlers,
+    internal_error,
+    too_large,
+)
+from ragkv.integrations.openai.server.fair_work import DEFAULT_WORK_THREADS, FairWorkers
+from ragkv.integrations.openai.server.metrics import CONTENT_TYPE, ServerMetrics
+from ragkv.integrations.openai.server.settings import (
     ADMIN_KEY_ENV,
     ANONYMOUS_TENANT,
     DEFAULT_MAX_BODY_BYTES,
@@ -65,14 +73,6 @@ from ragkv.integrations.openai.server.cli import (
     LOOPBACK_HOSTS,
     TENANT_SECRET_ENV,
 )
-from ragkv.integrations.openai.server.errors import (
-    ClientGone,
-    add_error_handlers,
-    internal_error,
-    too_large,
-)
-from ragkv.integrations.openai.server.fair_work import DEFAULT_WORK_THREADS, FairWorkers
-from ragkv.integrations.openai.server.metrics import CONTENT_TYPE, ServerMetrics
 from ragkv.integrations.openai.server.state import Served
 from ragkv.integrations.openai.server.streaming import generate
 

@@ -17,13 +17,13 @@ from ragkv.errors import (
 )
 from ragkv.integrations.openai.protocol import APIError
 from ragkv.integrations.openai.server.access_log import log_request
-from ragkv.integrations.openai.server.cli import (
+from ragkv.integrations.openai.server.errors import too_large
+from ragkv.integrations.openai.server.metrics import ServerMetrics
+from ragkv.integrations.openai.server.settings import (
     ANONYMOUS_TENANT,
     SINGLE_TENANT,
     validate_api_keys,
 )
-from ragkv.integrations.openai.server.errors import too_large
-from ragkv.integrations.openai.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,10 @@
 """``ragkv serve``: load a model and serve it over an OpenAI-compatible HTTP API.
 
-Heavy imports (torch, fastapi, uvicorn) happen inside :func:`run`, so ``ragkv --help``
-stays fast and works without the ``server`` extra.
+The top of the server: flags take their defaults from :mod:`.settings` (the server's) and
+:mod:`~ragkv.integrations.openai.protocol` (the request limits), and :func:`run` builds the
+app; no server module imports this one (only ``ragkv.cli``, which dispatches ``ragkv
+serve``). Heavy imports (torch, fastapi, uvicorn) happen inside :func:`run`, so ``ragkv
+--help`` stays fast and works without the ``server`` extra.
 """
 
 from __future__ import annotations
@@ -14,40 +17,28 @@ import os
 from pathlib import Path
 
 from ragkv.cache_engine.config import DEFAULTS, DTYPES, KV_TIER_WRITE_POLICIES
-from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import ConfigError, MissingDependencyError
+from ragkv.integrations.openai.protocol import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_RAG_BYTES,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_TEXT_BYTES,
+    RequestLimits,
+)
+from ragkv.integrations.openai.server.settings import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_REQUESTS_PER_TENANT,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    LOOPBACK_HOSTS,
+    validate_api_keys,
+)
 
 logger = logging.getLogger(__name__)
-
-API_KEY_ENV = "RAGKV_API_KEY"
-TENANT_SECRET_ENV = "RAGKV_TENANT_SECRET"
-ADMIN_KEY_ENV = "RAGKV_ADMIN_KEY"  # reads /metrics on a server with several tenants  # keys tenants' cache namespaces (never a flag: ps)
-# Defaults of create_app (and of the protocol's RequestLimits) too; kept here because this
-# module must import no framework.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# RAG limits. Measured on 2 CPU cores: one request with an 8 MB chunk made a small RAG
-# request wait 11.9 s instead of 0.31 s, and eight 2 MB RAG requests made a plain completion
-# wait 13.8 s (tokenizing and hashing hold the GIL). 256 KiB of chunks is ~64k tokens, more
-# than most contexts hold, so an honest request never reaches these.
-DEFAULT_MAX_CHUNK_BYTES = 32 << 10
-DEFAULT_MAX_CHUNKS = 64
-DEFAULT_MAX_RAG_BYTES = 256 << 10
-# The rest of a request's text (messages, a string prompt, ragkv.system), bounded before
-# tokenizing like the chunks: six 7 MB chats once made another tenant's small chat take 67 s.
-DEFAULT_MAX_TEXT_BYTES = 1 << 20
-DEFAULT_MAX_MESSAGES = 256
-# Requests in flight (queued or running) per tenant and in all: past them, 429 + Retry-After.
-# A tenant's share is a quarter of the server's, so three others always find room.
-DEFAULT_MAX_REQUESTS = 256
-DEFAULT_MAX_REQUESTS_PER_TENANT = 64
-# The engine's own cap (OpenAI's 4): the flag can only lower it.
-DEFAULT_MAX_STOP_STRINGS = MAX_STOP_STRINGS
-# Host names a loopback server answers to (with any port); see --allowed-hosts.
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-# Tenant of every request on a server with one --api-key, and on one with none.
-SINGLE_TENANT = "default"
-ANONYMOUS_TENANT = "anonymous"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -180,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
         raise MissingDependencyError("uvicorn", "server") from exc
     # Imported before the model loads, so a missing fastapi fails in a second, not a minute.
     from ragkv.cache_engine import Engine, EngineConfig
-    from ragkv.integrations.openai.protocol import RequestLimits
     from ragkv.integrations.openai.server.app import create_app
 
     api_keys = None
@@ -329,28 +319,6 @@ def load_api_keys(path: Path) -> dict[str, str]:
             raise
         raise ConfigError(f"--api-keys: {path} is not valid JSON: {exc}") from exc
     return validate_api_keys(keys, str(path))
-
-
-def validate_api_keys(keys: object, origin: str = "api_keys") -> dict[str, str]:
-    """``keys`` if it is a non-empty ``{key: tenant}`` of non-empty strings, else ConfigError."""
-    if not isinstance(keys, dict) or not keys:
-        raise ConfigError(
-            f'{origin} must be a non-empty JSON object {{"<api key>": "<tenant name>", ...}}'
-        )
-    for key, tenant in keys.items():
-        if not isinstance(key, str) or not key.strip() or key != key.strip():
-            raise ConfigError(
-                f"{origin}: every API key must be a non-empty string without surrounding whitespace"
-            )
-        if not key.isascii() or not key.isprintable():
-            raise ConfigError(f"{origin}: API keys must be printable ASCII (HTTP headers)")
-        if not isinstance(tenant, str) or not tenant.strip():
-            raise ConfigError(f"{origin}: the tenant of every key must be a non-empty string")
-        try:
-            tenant.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ConfigError(f"{origin}: tenant {tenant!r} is not valid text") from exc
-    return dict(keys)
 
 
 def allowed_hosts(bind_host: str, flag: str | None) -> list[str]:

@@ -1,6 +1,7 @@
 """``ReplicaRouter``: one :class:`~ragkv.cache_engine.engine_like.EngineLike` over several
-replicas of a model (``ragkv serve``, vLLM, SGLang behind :class:`RemoteEngine`, or
-in-process :class:`~ragkv.cache_engine.Engine` objects), routed by cached prefix.
+replicas of a model (``ragkv serve``, vLLM, SGLang behind
+:class:`~ragkv.integrations.openai.RemoteEngine`, or in-process
+:class:`~ragkv.cache_engine.Engine` objects), routed by cached prefix.
 
 Per request: the prompt's token ids are block-hashed at the replicas' block size (salted, so
 the index is per ``cache_salt``); the policy (:mod:`.policies`) ranks the healthy replicas;
@@ -48,8 +49,8 @@ from ragkv.errors import (
     InvalidInputError,
     RemoteEngineError,
 )
-from ragkv.integrations.openai.routing.policies import Candidate, check_policy, rank
-from ragkv.integrations.openai.routing.prefix_index import PrefixIndex
+from ragkv.integrations.routing.policies import Candidate, check_policy, rank
+from ragkv.integrations.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -221,16 +222,22 @@ class ReplicaRouter:
         send_token_ids: bool = True,
         **router_options: Any,
     ) -> ReplicaRouter:
-        """One :class:`RemoteEngine` per URL (each ``.../v1``), sharing one tokenizer.
+        """A router over servers: one :class:`~ragkv.integrations.openai.RemoteEngine` per
+        URL (each ``.../v1``), sharing one tokenizer, routed by ``routing`` (``prefix``,
+        ``least-loaded``, ``round-robin``).
 
-        The replicas do not retry (``max_retries=0``): the router retries across replicas.
-        ``router_options`` go to :class:`ReplicaRouter` (``balance_threshold``,
-        ``index_blocks``, ``backoff_s``, ...).
+        ``tokenizer`` is the servers' model's, loaded once by
+        :func:`~ragkv.integrations.openai.load_tokenizer`; ``model``, ``api_key``,
+        ``block_size``, ``cache_salt``, ``timeout_s`` and ``send_token_ids`` are each
+        RemoteEngine's. The replicas do not retry (``max_retries=0``): the router retries
+        across replicas. ``router_options`` go to :class:`ReplicaRouter`
+        (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...).
         """
         from ragkv.cache_engine.config import DEFAULTS
-        from ragkv.integrations.openai.client import RemoteEngine, _load_tokenizer
+        from ragkv.integrations.openai.client import RemoteEngine
+        from ragkv.integrations.openai.tokenizer import load_tokenizer
 
-        tok = _load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer)
         replicas = [
             RemoteEngine(
                 url,

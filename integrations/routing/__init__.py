@@ -2,6 +2,11 @@
 :class:`~ragkv.cache_engine.engine_like.EngineLike` that sends each request to the replica
 believed to hold its longest prefix (``prefix``), or by ``least-loaded`` / ``round-robin``.
 
+An engine combinator: the replicas are any EngineLike objects, in-process
+:class:`~ragkv.cache_engine.Engine` s or OpenAI-compatible servers behind
+:class:`~ragkv.integrations.openai.RemoteEngine`; :meth:`ReplicaRouter.from_urls` builds the
+latter from a list of URLs.
+
 - :mod:`.router`: the router (failover, health, stats);
 - :mod:`.policies`: the ranking rules, pure functions;
 - :mod:`.prefix_index`: the bounded, self-correcting per-replica index of block hashes.
@@ -9,7 +14,7 @@ believed to hold its longest prefix (``prefix``), or by ``least-loaded`` / ``rou
 
 from __future__ import annotations
 
-from ragkv.integrations.openai.routing.policies import POLICIES
-from ragkv.integrations.openai.routing.router import ReplicaRouter, ReplicaStats, RouterStats
+from ragkv.integrations.routing.policies import POLICIES
+from ragkv.integrations.routing.router import ReplicaRouter, ReplicaStats, RouterStats
 
 __all__ = ["POLICIES", "ReplicaRouter", "ReplicaStats", "RouterStats"]
