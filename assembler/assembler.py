@@ -194,6 +194,7 @@ class Assembler:
         residency: Residency | None = None,
         stability: Mapping[str, str] | None = None,
         chunk_order: Mapping[bytes, int] | None = None,
+        learn: bool = True,
     ) -> PromptPlan:
         """Assemble one prompt.
 
@@ -208,6 +209,8 @@ class Assembler:
         ``chunk_order`` (content key → rank, from a batch that knows its requests in
         advance: :mod:`ragkv.batch`) puts the chunks it names first, by rank, and the rest
         after them in the learned order; the chunks are still recorded as seen.
+        ``learn=False`` leaves the system-prompt learner as it is (a batch that taught it
+        every version first, with :meth:`learn_system`, runs in another order).
         """
         if not isinstance(question, str):
             raise InvalidInputError(
@@ -222,7 +225,24 @@ class Assembler:
         residency = residency if residency is not None else self.residency
         tokenized = self._tokenize(system, chunks, question, history, few_shot, overrides)
         with self._lock:
-            return self._plan(tokenized, max_prompt_tokens, residency, overrides, chunk_order)
+            return self._plan(
+                tokenized, max_prompt_tokens, residency, overrides, chunk_order, learn
+            )
+
+    def learn_system(self, systems: Iterable[SystemLike | None]) -> None:
+        """Show the system-prompt learner these versions, in this order, as if requests with
+        them had been assembled (a batch does this with its requests' arrival order)."""
+        for system in systems:
+            statics = self._static_segments(system, None, {})
+            for segment in statics:
+                if segment.chunk is not None:
+                    segment.token_ids = self.registry.token_ids(
+                        segment.chunk, self.registry_key, self.tokenizer.encode
+                    )
+            with self._lock:
+                for segment in statics:
+                    if segment.stability is not Stability.VOLATILE:
+                        self.slots.observe(segment.slot, segment.key, segment.token_ids)
 
     def fork(self, scope: str | None = None) -> Assembler:
         """A new assembler with this one's settings, tokenizer and registry (one memory
@@ -384,9 +404,10 @@ class Assembler:
         residency: Residency | None,
         overrides: dict[SegmentKind, Stability],
         chunk_order: Mapping[bytes, int] | None = None,
+        learn: bool = True,
     ) -> PromptPlan:
         stats = tokenized.stats
-        head, tail, boundary_slack = self._place_statics(tokenized.statics, stats)
+        head, tail, boundary_slack = self._place_statics(tokenized.statics, stats, learn)
         chunks = tokenized.chunks
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats, chunk_order)
         request = _Request(head, chunks, tail, tokenized.turns, tokenized.question)
@@ -434,7 +455,7 @@ class Assembler:
         return plan
 
     def _place_statics(
-        self, statics: list[Segment], stats: AssemblyStats
+        self, statics: list[Segment], stats: AssemblyStats, learn: bool = True
     ) -> tuple[list[Group], list[Group], int]:
         """Split static segments into head groups (before chunks) and tail groups (after).
 
@@ -455,7 +476,10 @@ class Assembler:
             if segment.stability is Stability.VOLATILE:
                 (moved_parts if is_system else tail).append([segment])
                 continue
-            split = self.slots.observe(segment.slot, segment.key, segment.token_ids)
+            if learn:
+                split = self.slots.observe(segment.slot, segment.key, segment.token_ids)
+            else:
+                split = self.slots.peek(segment.slot, segment.token_ids)
             stay: Group = [segment]
             moved: Group = []
             if split is not None:

@@ -140,6 +140,18 @@ class SlotLearner:
             return None
         return self._split(state, token_ids)
 
+    def peek(self, slot: str, token_ids: Sequence[int]) -> SlotSplit | None:
+        """What :meth:`observe` would answer for this version, learning nothing."""
+        state = self._slots.get(slot)
+        if state is None or len(token_ids) > self.max_slot_tokens:
+            return None
+        lead = array("i", token_ids[: self.block_size]).tobytes()
+        name = lead if state.leads.get(lead, 0) >= 2 else _CATCH_ALL
+        group = state.groups.get(name)
+        if group is None or not group.changing:
+            return None
+        return self._split(group, token_ids)
+
     def is_changing(self, slot: str) -> bool:
         """Whether some template of ``slot`` is currently treated as changing."""
         state = self._slots.get(slot)

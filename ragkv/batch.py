@@ -65,9 +65,9 @@ Turn = Mapping[str, str]
 class BatchItem:
     """One request of a batch: what :meth:`ragkv.Pipeline.answer` takes, plus ``session``.
 
-    Items of one ``session`` are turns of one conversation, run in the caller's order; a
-    turn without ``history`` gets the session's earlier turns of this batch (questions and
-    their answers) as its history.
+    Items of one ``session`` are turns of one conversation. A turn without ``history`` gets
+    the session's earlier turns of this batch (questions and their answers) as its history,
+    so it runs after them; a turn with its own ``history`` runs whenever it fits best.
     """
 
     question: str
@@ -147,7 +147,9 @@ def windows(items: Iterable[Any], size: int) -> Iterator[list[BatchItem]]:
 
 
 def plan_window(
-    chunk_keys: Sequence[Sequence[bytes]], heads: Sequence[Hashable]
+    chunk_keys: Sequence[Sequence[bytes]],
+    heads: Sequence[Hashable],
+    tails: Sequence[tuple[str, ...]] | None = None,
 ) -> tuple[list[int], list[dict[bytes, int]]]:
     """The order to run a window's items in, and each item's chunk order (key → rank).
 
@@ -157,7 +159,9 @@ def plan_window(
     form its subtree; the others stay at the node, for its next child. The chunk is the one
     whose subtree shares the most at its first two levels (:func:`_next_chunk`).
     A chunk held by one item of a node ends that item's path; the rank map names only the
-    path (the assembler places the other chunks after it, in its learned order). Running the items depth-first, each runs right after the
+    path (the assembler places the other chunks after it, in its learned order). At a
+    leaf, items whose path holds all their chunks come first, sorted by ``tails[i]`` (what
+    follows the chunks: the history turns), so turns sharing a history prefix run together. Running the items depth-first, each runs right after the
     items it shares the longest chunk prefix with.
     """
     first: dict[bytes, int] = {}
@@ -176,8 +180,9 @@ def plan_window(
         members, depth = stack.pop()
         counts = Counter(key for i in members for key in sets[i] if key not in paths[i][:depth])
         best = _next_chunk(counts, members, sets, paths[members[0]][:depth], first)
-        if best is None:
-            order.extend(members)  # leaves: nothing more is shared below this node
+        if best is None:  # leaves: no chunk is shared below this node
+            order.extend(sorted(members, key=lambda i: (
+                len(sets[i]) > len(paths[i]), tails[i] if tails else (), i)))  # fmt: skip
             continue
         inside = [i for i in members if best in sets[i]]
         outside = [i for i in members if best not in sets[i]]
@@ -356,10 +361,12 @@ async def answer_window(
 ) -> list[Any]:
     """Plan, order and answer one window; answers (or exceptions) in the window's order.
     ``turns`` carries each session's questions and answers across windows."""
-    keys = await asyncio.to_thread(_chunk_keys, pipeline, window)
+    keys = await asyncio.to_thread(_plan_inputs, pipeline, window)
     heads = [(item.cache_salt or "", _system_key(item.system)) for item in window]
-    sessions = [item.session for item in window]
-    order, ranks = plan_window(keys, heads)
+    # Only a turn that takes its history from the batch must wait for the turn before it.
+    sessions = [item.session if item.history is None else None for item in window]
+    tails = [_history_key(item.history) for item in window]
+    order, ranks = plan_window(keys, heads, tails)
     order = keep_turn_order(order, sessions)
     leaders = prefix_leaders(order, ranks, heads)
     del keys
@@ -372,7 +379,7 @@ async def answer_window(
             history = list(turns.get(item.session, ()))
         prepared = await asyncio.to_thread(
             pipeline.prepare, item.question, item.chunks, system=item.system, history=history,
-            cache_salt=item.cache_salt, params=params, chunk_order=ranks[i],
+            cache_salt=item.cache_salt, params=params, chunk_order=ranks[i], learn=False,
         )  # fmt: skip
         answer = None
         try:
@@ -397,10 +404,26 @@ async def answer_window(
     return await gather_in_order(jobs, order, sessions, limit, fail_fast=fail_fast, waits=waits)
 
 
-def _chunk_keys(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[list[bytes]]:
-    """Content keys of each item's chunks as the assembler will see them (after dedup)."""
+def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[list[bytes]]:
+    """Content keys of each item's chunks as the assembler will see them (after dedup).
+
+    Also teaches each namespace's system-prompt learner the window's system prompts in the
+    caller's order: run in the batch's order, identical versions come together and the
+    learner would take a changing part (a date) for a stable one.
+    """
+    systems: dict[str | None, list[Any]] = {}
+    for item in window:
+        systems.setdefault(item.cache_salt, []).append(item.system)
+    for salt, versions in systems.items():
+        pipeline.assembler_for(salt).learn_system(versions)
     key = pipeline.registry.key
     return [[key(chunk) for chunk in pipeline.dedupe(item.chunks).chunks] for item in window]
+
+
+def _history_key(history: Sequence[Turn] | None) -> tuple[str, ...]:
+    if not history:
+        return ()
+    return tuple(f"{turn.get('role', '')}:{turn.get('content', '')}" for turn in history)
 
 
 def _system_key(system: SystemLike | None) -> str:

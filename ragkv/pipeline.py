@@ -185,6 +185,7 @@ class Pipeline:
         namespace: str | None = None,
         params: SamplingParams | None = None,
         chunk_order: Mapping[bytes, int] | None = None,
+        learn: bool = True,
     ) -> Prepared:
         """Dedup and assemble without generating (what :meth:`answer` sends to the engine).
 
@@ -192,7 +193,8 @@ class Pipeline:
         pipeline isolates (``isolate_by_salt``); it defaults to ``cache_salt``. A server
         passes its tenant here, so a client cannot multiply namespaces by varying salts.
         ``chunk_order`` (content key → rank) replaces the learned chunk order for this
-        request, as a batch does (:meth:`answer_batch`).
+        request, as a batch does (:meth:`answer_batch`); ``learn=False`` leaves the
+        system-prompt learner untouched (the batch taught it the window's versions first).
         """
         t0 = time.perf_counter()
         result = self.dedupe(chunks)
@@ -208,6 +210,7 @@ class Pipeline:
             max_prompt_tokens=self.prompt_budget(params or self.default_params),
             residency=residency,
             chunk_order=chunk_order,
+            learn=learn,
         )
         return Prepared(result, plan, t1 - t0, time.perf_counter() - t1)
 

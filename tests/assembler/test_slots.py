@@ -156,3 +156,17 @@ def test_learned_state_is_bounded_in_slots_and_slot_size():
     fresh = SlotLearner(block_size=4, max_slot_tokens=32)
     small = [fresh.observe("system", bytes([i]), [9] * 8 + [i]) for i in range(6)]
     assert small[-1] is not None and small[-1].head == 8
+
+
+def test_a_batch_teaches_the_learner_first_and_then_reads_it_without_learning(local_tokenizer):
+    # A batch runs identical versions together: learning in that order, the same version
+    # seen again and again would read as settled. learn_system shows the versions in arrival
+    # order; assembling with learn=False then splits every one and changes nothing.
+    asm = Assembler(local_tokenizer, block_size=4)
+    versions = [_tail_changes(i % 4) for i in range(8)]  # four users, interleaved
+    asm.learn_system(versions)
+    batch_order = sorted(versions)  # identical versions next to each other
+    plans = _run(asm, batch_order * 3, learn=False)
+    assert all(p.stats.invalidators == ("system",) for p in plans)
+    untaught = Assembler(local_tokenizer, block_size=4)
+    assert all(p.stats.invalidators == () for p in _run(untaught, batch_order, learn=False))
