@@ -1,4 +1,4 @@
-"""``ragkv bench``: replay a workload through the four lanes and report the savings stack."""
+"""``ragkv bench``: replay a workload through the lanes and report the savings stack."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BENCH_MAX_TOKENS = 8
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="compare no-cache / apc / apc+assembler / ragkv lanes on one workload",
+        help="compare no-cache / apc / apc+assembler / ragkv / ragkv-batch lanes on one workload",
         description="Replay the same requests through several lanes side by side "
         "(see docs/benchmarks.md). Exits 1 when greedy outputs of identical prompts differ.",
     )
@@ -125,7 +125,7 @@ def add_parser(subparsers: Any) -> None:
         "--replicas",
         type=int,
         default=0,
-        help="N >= 2: instead of the four lanes, run N in-process replicas (1/N of the pool "
+        help="N >= 2: instead of the lanes, run N in-process replicas (1/N of the pool "
         "each) behind the router, one lane per --routing policy, plus one engine holding "
         "the whole pool",
     )

@@ -137,11 +137,16 @@ def ratios(lanes: dict[str, dict[str, Any]], kind: str = "synthetic") -> dict[st
         if b["ttft_p50_s"]:
             out[f"ttft_p50_ragkv_vs_{tag}"] = ragkv["ttft_p50_s"] / b["ttft_p50_s"]
     out.update(tier_ratios(lanes))
+    batch = lanes.get("ragkv-batch")
+    if ragkv is not None and batch is not None and ragkv["prefill_tokens_computed"]:
+        out["prefill_batch_vs_ragkv"] = (
+            batch["prefill_tokens_computed"] / ragkv["prefill_tokens_computed"]
+        )
     apc = lanes.get("apc")
     if apc is not None:
         out["never_worse_than_apc"] = {
             name: lanes[name]["prefill_tokens_computed"] <= apc["prefill_tokens_computed"]
-            for name in ("apc+assembler", "ragkv")
+            for name in ("apc+assembler", "ragkv", "ragkv-batch")
             if name in lanes
         }
     targets = TARGETS.get(kind, {})
