@@ -33,7 +33,6 @@ from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
-from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import RagkvError
@@ -256,19 +255,9 @@ class Engine:
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        probe = Request(self.inputs.next_id("probe"), list(token_ids), SamplingParams())
-        probe.salt_digest = salt_digest
-        with self.core.lock:
-            try:
-                blocks, cached = self.kv.get_computed_blocks(probe, record=False)
-                if self.core.offload is not None:  # what the KV tiers would load after it
-                    hashes, _ = self.kv.reusable_hashes(probe)
-                    cached += (
-                        self.core.offload.resident_blocks(hashes, len(blocks)) * self.block_size
-                    )
-                return cached
-            finally:
-                self.kv.free(probe)  # drop the manager's per-request hasher state
+        hasher = self.kv.new_hasher(salt_digest)  # in the caller's thread, outside the lock
+        hasher.extend(token_ids)
+        return self.core.cached_prefix(hasher, len(token_ids)) * self.block_size
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""

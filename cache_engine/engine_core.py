@@ -125,6 +125,16 @@ class EngineCore:
         snapshot.tier_stalled_skips = counters.stalled_skips
         snapshot.tiers = stores
 
+    def cached_prefix(self, hasher: Any, num_tokens: int) -> int:
+        """Leading blocks of a hashed token sequence the pool holds now, and after them the
+        KV tiers (an upper bound: their loads are verified when a request asks)."""
+        with self.lock:
+            blocks = self.kv.cached_prefix(hasher, num_tokens)
+        if self.offload is None:
+            return blocks
+        max_blocks = (num_tokens - 1) // self.kv.block_size
+        return blocks + self.offload.resident_blocks(hasher.hashes[:max_blocks], blocks)
+
     def health(self) -> EngineHealth:
         thread = self._thread
         alive = thread is not None and thread.is_alive()

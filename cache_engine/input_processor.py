@@ -82,6 +82,9 @@ class InputProcessor:
             reuse=reuse,
         )
         self.scheduler.check_fits(request)
+        if self.scheduler.config.enable_prefix_caching:  # hashed here, in the caller's thread
+            request.block_hasher = self.scheduler.kv.new_hasher(salt_digest)
+            request.block_hasher.extend(token_ids)
         return self.outputs.new_state(request)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:

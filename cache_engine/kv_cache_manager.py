@@ -33,6 +33,8 @@ class CacheRequest(Protocol):
     token_ids: list[int]  # prompt + generated so far; grows
     num_prompt_tokens: int
     salt_digest: bytes | None  # block_hash.digest_salt(cache_salt), computed by the caller
+    # Its block hashes (new_hasher), kept on the request; None: the manager makes it once.
+    block_hasher: BlockHasher | None
 
 
 @dataclass(slots=True)
@@ -77,6 +79,22 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (compare with ``pool.num_blocks`` up front)."""
         return -(-num_tokens // self.block_size)
+
+    def new_hasher(self, salt_digest: bytes | None) -> BlockHasher:
+        """A block hasher with this manager's block size, extra keys and algorithm, for a
+        request's ``block_hasher``. Reads only settings fixed at construction, so any
+        thread may call it (the caller's, to hash a prompt before it is queued)."""
+        return BlockHasher(
+            self.block_size, extra=self._extra, salt_digest=salt_digest, algo=self._algo
+        )
+
+    def cached_prefix(self, hasher: BlockHasher, num_tokens: int) -> int:
+        """Blocks of a token sequence's prefix the pool holds now (``hasher`` has hashed
+        its ``num_tokens`` tokens; the last token is never counted as reusable)."""
+        if not self.enable_caching:
+            return 0
+        max_blocks = (num_tokens - 1) // self.block_size
+        return len(self.pool.find_prefix(hasher.hashes[:max_blocks], hasher.inputs))
 
     def get_computed_blocks(
         self, request: CacheRequest, *, record: bool = True
@@ -208,12 +226,9 @@ class KVCacheManager:
     def _state(self, request: CacheRequest) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            hasher = BlockHasher(
-                self.block_size,
-                extra=self._extra,
-                salt_digest=request.salt_digest,
-                algo=self._algo,
-            )
+            hasher = request.block_hasher
+            if hasher is None or hasher.block_size != self.block_size:  # made here, kept
+                hasher = request.block_hasher = self.new_hasher(request.salt_digest)
             state = self._requests[request.request_id] = _RequestState(hasher)
         return state
 

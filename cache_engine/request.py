@@ -12,6 +12,7 @@ from ragkv.cache_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from ragkv.cache_engine.block_hash import BlockHasher
     from ragkv.cache_engine.chunk_reuse import BlendConfig, BlendPlan
 
 
@@ -32,6 +33,10 @@ class Request:
     ``stop_token_ids`` (the model's EOS unless ``ignore_eos``, plus ``params.stop_token_ids``)
     end it as soon as one is sampled. What its caller receives (text, logprobs, logits)
     is kept by the output processor, not here.
+
+    ``block_hasher`` holds the chained hashes of its full blocks (Invariant 2), computed
+    once: the prompt's in the caller's thread, each later block as tokens are appended. The
+    KV manager, the tiers and the chunk index read them; preemption keeps them.
     """
 
     request_id: str
@@ -45,6 +50,7 @@ class Request:
     # Chunk reuse (opt-in): the prompt's chunk spans, and the strategy when reuse is asked.
     chunk_spans: tuple[tuple[int, int], ...] = ()
     reuse: BlendConfig | None = None
+    block_hasher: BlockHasher | None = None
 
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -121,6 +122,7 @@ class CacheReq:
     token_ids: list[int]
     cache_salt: str | None = None
     num_prompt_tokens: int = field(init=False)
+    block_hasher: Any = None  # set by the manager on first use, as on an engine Request
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

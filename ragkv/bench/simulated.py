@@ -30,13 +30,14 @@ _FILLER = " answer"
 class _Request:
     """What the cache manager reads from a request (``CacheRequest``)."""
 
-    __slots__ = ("num_prompt_tokens", "request_id", "salt_digest", "token_ids")
+    __slots__ = ("block_hasher", "num_prompt_tokens", "request_id", "salt_digest", "token_ids")
 
     def __init__(self, request_id: str, token_ids: list[int], salt_digest: bytes | None) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.salt_digest = salt_digest
+        self.block_hasher = None
 
 
 class SimulatedEngine:
