@@ -14,6 +14,13 @@ PROMPT_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
 
 
+class Decide:
+    """Marker: the detokenizer decides stop tokens and length itself (standalone use)."""
+
+
+DECIDE = Decide()
+
+
 class IncrementalDetokenizer:
     """Turns one request's generated token ids into text deltas, and decides when it stops.
 
@@ -77,19 +84,24 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, engine_reason: str | None | Decide = DECIDE) -> str:
         """Take the next generated token; return the text it releases ("" if none yet).
 
-        After the request finished, further tokens are ignored.
+        ``engine_reason`` is the engine's decision for this token, made once, by its
+        scheduler: ``"stop"`` (a stop token), ``"length"`` (the last token allowed) or None
+        (it goes on); then only stop strings are looked for here. Standalone, this decides
+        the same itself. After the request finished, further tokens are ignored.
         """
         if self._finished:
             return ""
         self.output_token_ids.append(token_id)
-        stop_id = token_id in self._stop_ids
-        ends = stop_id or token_id in self._eos
+        if isinstance(engine_reason, Decide):
+            engine_reason = self._decide(token_id)
+        ends = engine_reason == "stop"
+        stop_id = ends and token_id in self._stop_ids
         if not ends or (stop_id and self.params.include_stop_str_in_output):
             self._ids.append(token_id)
-        last = ends or len(self.output_token_ids) >= self.params.max_tokens
+        last = engine_reason is not None
         if self._decode_window(force=last) and self._find_stop_string():
             return self._release()
         if ends:
@@ -97,6 +109,14 @@ class IncrementalDetokenizer:
         elif last:
             self._finish("length", None)
         return self._release()
+
+    def _decide(self, token_id: int) -> str | None:
+        """The scheduler's rule, for standalone use: stop token, then the length limit."""
+        if token_id in self._stop_ids or token_id in self._eos:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        return None
 
     def flush(self) -> str:
         """Finish now (the engine's own reason) and return all text still held back."""

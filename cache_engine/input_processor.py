@@ -17,7 +17,7 @@ from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import make_generator
-from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
+from ragkv.cache_engine.sampling_params import SamplingParams, check_vocabulary, resolve_params
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
 
@@ -55,7 +55,7 @@ class InputProcessor:
             raise InvalidInputError(
                 f"params must be SamplingParams, got {type(params).__name__}", param="params"
             )
-        params.validate(vocab_size=self.vocab_size)
+        check_vocabulary(params, self.vocab_size)  # the rest was checked at construction
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)

@@ -90,11 +90,11 @@ class OutputProcessor:
         if request.params.logprobs is not None:
             state.logprobs.append(logprobs)
         detok = state.detokenizer
-        delta = detok.add(token)  # mirrors the scheduler's stops, and finds stop strings
+        # The scheduler decided stop tokens and length for this token; the detokenizer
+        # only finds stop strings.
+        delta = detok.add(token, request.finish_reason if request.finished else None)
         if detok.finished:
             return detok.finish_reason, delta
-        if request.finished:  # the context is full
-            return request.finish_reason, delta + detok.flush()
         return None, delta
 
     def flush(self, request: Request) -> str:

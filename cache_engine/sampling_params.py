@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as _copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -34,7 +35,7 @@ OPENAI_TEMPERATURE = 1.0
 DEFAULT_MAX_TOKENS = 256
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request decodes.
 
@@ -69,13 +70,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Copy sequences so a caller's list is never shared; leave anything else for validate().
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None or isinstance(self.stop, list | tuple):
-            self.stop = list(self.stop or [])
-        if self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple):
-            self.stop_token_ids = list(self.stop_token_ids or [])
+        stop, stop_ids = self.stop, self.stop_token_ids
+        if isinstance(stop, str):
+            object.__setattr__(self, "stop", [stop])
+        elif stop is None or isinstance(stop, list | tuple):
+            object.__setattr__(self, "stop", list(stop or []))
+        if stop_ids is None or isinstance(stop_ids, list | tuple):
+            object.__setattr__(self, "stop_token_ids", list(stop_ids or []))
         # Bad settings fail where they are written, not later in a server's stepping thread.
+        # Frozen: this is the one validation; the engine adds only the vocabulary's bound.
         self.validate()
 
     @classmethod
@@ -112,6 +115,16 @@ class SamplingParams:
             )
         return replace(self, **changes) if changes else self
 
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with another ``max_tokens``, checking only that field (the rest were
+        validated when this was built): a server's default length, decided per request."""
+        _check_int("max_tokens", max_tokens)
+        if max_tokens < 1:
+            _fail("max_tokens", f"max_tokens must be at least 1, got {max_tokens}.")
+        copy = _copy.copy(self)
+        object.__setattr__(copy, "max_tokens", max_tokens)
+        return copy
+
     def to_openai(self) -> dict[str, Any]:
         """The request-body fields for these settings. The vLLM-style extensions appear only
         when they differ from the neutral value: a plain OpenAI server refuses unknown
@@ -142,9 +155,9 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`~ragkv.errors.InvalidInputError` naming the first bad setting.
 
-        The error's ``param`` is the field's name. Construction already ran this without a
-        vocabulary; the engine runs it again (fields are mutable) with ``vocab_size``, which
-        also bounds ``stop_token_ids``.
+        The error's ``param`` is the field's name. Construction runs this (without a
+        vocabulary); the settings are frozen after it. ``vocab_size`` also bounds
+        ``stop_token_ids`` (what :meth:`check_vocabulary` checks alone).
         """
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
@@ -208,6 +221,17 @@ class SamplingParams:
                     f"stop_token_ids holds {t}, outside the vocabulary; "
                     f"stop token ids must be in {bound}.",
                 )
+
+
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """The part of validation that needs the model: ``stop_token_ids`` in its vocabulary."""
+    for t in params.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            _fail(
+                "stop_token_ids",
+                f"stop_token_ids holds {t}, outside the vocabulary; "
+                f"stop token ids must be in [0, {vocab_size}).",
+            )
 
 
 def resolve_params(params: Any, overrides: Mapping[str, Any]) -> SamplingParams:

@@ -266,8 +266,7 @@ class RemoteEngine:
     def _payload(
         self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None, stream: bool
     ) -> dict[str, Any]:
-        params = params or SamplingParams()
-        params.validate()
+        params = params or SamplingParams()  # validated when it was built (frozen)
         if params.logprobs is not None:
             raise InvalidInputError("RemoteEngine does not return logprobs; drop logprobs=")
         body: dict[str, Any] = {

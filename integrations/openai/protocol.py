@@ -135,6 +135,9 @@ class GenerationRequest:
     prompt: str | list[int] | None = None  # /v1/completions
     messages: list[dict[str, str]] = field(default_factory=list)  # /v1/chat/completions
     rag: RagContext | None = None
+    params: Any = (
+        None  # the validated SamplingParams (the server sets it; max_tokens decided later)
+    )
 
 
 def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> GenerationRequest:

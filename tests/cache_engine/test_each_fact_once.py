@@ -57,3 +57,66 @@ def test_a_residency_probe_hashes_once_and_leaves_no_state(llama_dir, hashed_blo
         assert engine.cached_prefix_length(ids, cache_salt="tenant") == 0
         assert not engine.kv._requests  # no throw-away request state
     assert sum(hashed_blocks.values()) == 2 * (100 // BLOCK)
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Counts SamplingParams validations."""
+    from ragkv.cache_engine import sampling_params
+
+    count = [0]
+    real = sampling_params.SamplingParams.validate
+
+    def counting(self, vocab_size=None):
+        count[0] += 1
+        return real(self, vocab_size)
+
+    monkeypatch.setattr(sampling_params.SamplingParams, "validate", counting)
+    return count
+
+
+def test_sampling_settings_are_validated_once_and_frozen(llama_dir, validations):
+    import dataclasses
+
+    params = SamplingParams(max_tokens=3, stop=["x"])
+    assert validations[0] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 5
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
+        engine.generate(prompt(2, 20), params)
+        assert validations[0] == 1  # the engine checked only the vocabulary bound
+        pytest.importorskip("fastapi")
+        import httpx
+
+        from ragkv.integrations.openai.server.app import create_app
+        from ragkv.integrations.openai.server.thread import ServerThread
+
+        with ServerThread(create_app(engine, api_key="k-0123456789")) as url:
+            validations[0] = 0
+            response = httpx.post(
+                url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+                headers={"Authorization": "Bearer k-0123456789"},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+    assert validations[0] == 1  # parsed once; the server's max_tokens default checks itself
+
+
+def test_the_stop_decision_is_made_once_per_token_by_the_scheduler(llama_dir, monkeypatch):
+    # EOS, stop token ids and the length limit are the scheduler's; the detokenizer only
+    # looks for stop strings (before, it decided the same three again on every token).
+    from ragkv.cache_engine.detokenizer import IncrementalDetokenizer
+
+    def refuse(self, token_id):
+        raise AssertionError("the detokenizer decided a stop the scheduler had decided")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_decide", refuse)
+    ids = prompt(3, 20)
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
+        free = engine.generate(ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        stopped = engine.generate(
+            ids, SamplingParams(max_tokens=6, stop_token_ids=[free.token_ids[2]])
+        )
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:3]

@@ -135,7 +135,7 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
         state = make(prompt, params, *args)
         if prompt == ids(10):
 
-            def broken(token_id):
+            def broken(token_id, engine_reason=None):
                 raise RuntimeError("simulated detokenizer fault")
 
             state.detokenizer.add = broken

@@ -331,12 +331,13 @@ def _decode(
 
 
 def _check_sampling(parsed: GenerationRequest) -> None:
-    """Validate the sampling settings with the engine's own rules, naming the bad field."""
+    """Validate the sampling settings with the engine's own rules, naming the bad field;
+    the validated (frozen) settings go on ``parsed.params``, validated once."""
     fields = dict(parsed.sampling)
     if parsed.max_tokens is not None:
         fields["max_tokens"] = parsed.max_tokens
     try:
-        SamplingParams(**fields).validate()
+        parsed.params = SamplingParams(**fields)
     except InvalidInputError as exc:
         raise APIError(400, str(exc), param=exc.param or _failing_field(fields)) from exc
 
@@ -345,7 +346,7 @@ def _failing_field(fields: dict[str, Any]) -> str | None:
     # For validation errors that do not carry ``param`` yet: the field that fails on its own.
     for name, value in fields.items():
         try:
-            SamplingParams(**{name: value}).validate()
+            SamplingParams(**{name: value})
         except InvalidInputError:
             return name
     return None

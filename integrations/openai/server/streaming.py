@@ -51,7 +51,11 @@ async def generate(
         if local is not None:
             room = min(local.max_model_len, local.kv_cache_tokens) - len(token_ids)
             max_tokens = max(1, min(max_tokens, room))
-    params = SamplingParams(max_tokens=max_tokens, **parsed.sampling)
+    params = (
+        parsed.params.with_max_tokens(max_tokens)
+        if parsed.params is not None
+        else SamplingParams(max_tokens=max_tokens, **parsed.sampling)
+    )
     arrival = request.scope.get("state", {}).get("ragkv_arrival")
     now = asyncio.get_running_loop().time()
     deadline = (now if arrival is None else arrival) + served.request_timeout_s
