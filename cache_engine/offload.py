@@ -34,18 +34,15 @@ runs in the loader thread while the engine keeps stepping other requests, and th
 is scheduled only once its payloads are in memory; the copy into the pool is a memory copy
 in the stepping thread. Staged payloads are bounded (at most the pool's size in blocks).
 
-A filesystem can stall a read (a hung network mount; a FIFO is refused before it is read).
-So each parked request waits at most ``load_timeout_s`` from the moment it was parked: the
-loader stops a slow job between blocks and keeps what it staged, and a job stuck inside one
-read is abandoned by the stepping thread (the request computes those blocks). While a
-single block load has run longer than that, no request is parked behind the loader;
-:meth:`KVOffload.loader_health` reports it (``Engine.health().kv_loader``).
+The loader thread, its staging and its deadline (a request waits at most
+``load_timeout_s`` for its loads, a hung read included) are
+:mod:`ragkv.cache_engine.tier_loader`'s; :meth:`KVOffload.loader_health` reports its
+progress (``Engine.health().kv_loader``).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragkv.cache_engine.config import DEFAULT_KV_LOAD_TIMEOUT_S
+from ragkv.cache_engine.tier_loader import StagedBlocks, TierLoader
 
 if TYPE_CHECKING:
     from ragkv.cache_engine.block_pool import BlockPool
@@ -144,25 +142,6 @@ def written_blocks(batch: SchedulerOutput, pool: BlockPool, block_size: int) -> 
 
 
 @dataclass(slots=True)
-class StagedBlocks:
-    """Verified payloads of blocks ``first_block ..`` of one request, loaded from the tiers."""
-
-    first_block: int
-    hashes: list[bytes]
-    payloads: list[torch.Tensor]
-    tiers: list[str]
-
-    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for tier in self.tiers:
-            counts[tier] = counts.get(tier, 0) + block_size
-        return counts
-
-    def __len__(self) -> int:
-        return len(self.payloads)
-
-
-@dataclass(slots=True)
 class TierCounters:
     """What the engine moved between the pool and the tiers (see ``EngineStats``)."""
 
@@ -198,15 +177,6 @@ class TierCounters:
         )
 
 
-@dataclass(slots=True)
-class _Job:
-    request_id: str
-    first_block: int
-    hashes: list[bytes]
-    inputs: list[bytes]
-    deadline: float  # time.monotonic(): the request stops waiting then
-
-
 class KVOffload:
     """Moves K/V between one engine's pool and its :class:`KVTiers`; owns the loader thread.
 
@@ -234,18 +204,20 @@ class KVOffload:
         self.load_timeout_s = load_timeout_s
         self.wake = wake
         self.counters = TierCounters()
-        self._lock = threading.Lock()  # guards the dicts below and the counters
+        self._lock = threading.Lock()  # guards the counters (the loader counts under it too)
         self._probed: set[str] = set()  # not to be looked up again before admission
         self._lookups: dict[str, int] = {}  # request id -> lookups since its last admission
-        self._loading: dict[str, int] = {}  # request id -> blocks reserved for its job
-        self._deadlines: dict[str, float] = {}  # request id -> when it stops waiting
-        self._partial: dict[str, StagedBlocks] = {}  # request id -> loaded so far
-        self._read_started: float | None = None  # the loader's current block load began
-        self._jobs_done = 0
-        self._ready: dict[str, StagedBlocks] = {}
-        self._staged_blocks = 0
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._loader: threading.Thread | None = None
+        self.loader = TierLoader(
+            tiers,
+            shape=self.shape,
+            dtype=self.dtype,
+            block_bytes=self.block_bytes,
+            max_staged_blocks=max_staged_blocks,
+            load_timeout_s=load_timeout_s,
+            counters=self.counters,
+            lock=self._lock,
+            wake=wake,
+        )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- write path (stepping thread) ----------------------------------------------------
@@ -324,71 +296,18 @@ class KVOffload:
         except Exception:
             logger.exception("KV tier lookup failed; computing instead")
             return False
-        count = len(present)
-        now = time.monotonic()
-        with self._lock:
-            if not count or self._staged_blocks + count > self.max_staged_blocks:
-                return False
-            if self._stuck_s(now) > self.load_timeout_s:  # it would only wait to time out
-                self.counters.stalled_skips += 1
-                return False
-            self._staged_blocks += count
-            self._loading[request_id] = count
-            self._deadlines[request_id] = deadline = now + self.load_timeout_s
-        end = first_block + count
-        job = _Job(
-            request_id,
-            first_block,
-            list(hashes[first_block:end]),
-            list(inputs[first_block:end]),
-            deadline,
+        end = first_block + len(present)
+        return self.loader.start(
+            request_id, first_block, hashes[first_block:end], inputs[first_block:end]
         )
-        self._ensure_loader()
-        self._jobs.put(job)
-        return True
 
     def is_ready(self, request: Request) -> bool:
         """True once a parked request's loads are done, or abandoned at their deadline."""
-        request_id = request.request_id
-        with self._lock:
-            if request_id not in self._loading:
-                return True
-            if time.monotonic() < self._deadlines[request_id]:
-                return False
-            # Inside a read at the deadline: stop waiting with what was loaded by then; the
-            # loader drops the job when its read returns.
-            reserved = self._loading.pop(request_id)
-            del self._deadlines[request_id]
-            staged = self._partial.pop(request_id, None)
-            kept = 0 if staged is None else len(staged)
-            self._staged_blocks -= reserved - kept
-            if kept:
-                self._ready[request_id] = staged
-            self.counters.load_timeouts += 1
-        logger.warning("KV tier loads for %s timed out; computing instead", request_id)
-        return True
-
-    def waiting_for_loads(self) -> bool:
-        """Whether some parked request still waits (the stepping thread then polls)."""
-        with self._lock:
-            return bool(self._loading)
+        return self.loader.is_ready(request.request_id)
 
     def loader_health(self) -> dict[str, Any]:
-        """The loader's progress: jobs waiting, how long its current block load has run."""
-        now = time.monotonic()
-        with self._lock:
-            stuck = self._stuck_s(now)
-            return {
-                "jobs_waiting": len(self._loading),
-                "jobs_done": self._jobs_done,
-                "current_read_s": None if self._read_started is None else round(stuck, 3),
-                "stalled": stuck > self.load_timeout_s,
-                "load_timeouts": self.counters.load_timeouts,
-            }
-
-    def _stuck_s(self, now: float) -> float:
-        """How long the current block load has run (0 when none runs); hold the lock."""
-        return 0.0 if self._read_started is None else now - self._read_started
+        """The loader's progress (:meth:`TierLoader.health`)."""
+        return self.loader.health()
 
     def take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
         """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
@@ -401,13 +320,12 @@ class KVOffload:
         until :meth:`install`.
         """
         request_id = request.request_id
-        with self._lock:
-            staged = self._ready.get(request_id)
+        staged = self.loader.ready(request_id)
         if staged is None:
             return None
         skip = num_pool_blocks - staged.first_block
         if skip < 0 or skip >= len(staged):
-            self._release(request_id)
+            self.loader.release(request_id)
             if skip < 0:
                 with self._lock:
                     self.counters.stale_loads += 1
@@ -451,105 +369,9 @@ class KVOffload:
     def drop(self, request: Request) -> None:
         """Forget the request's staged payloads (and cancel its loads, if any are running),
         and that it was looked up."""
-        self._release(request.request_id)
+        self.loader.release(request.request_id)
         self._probed.discard(request.request_id)
         self._lookups.pop(request.request_id, None)
-
-    def _release(self, request_id: str) -> None:
-        """Free the request's staged payloads and cancel its running loads, if any."""
-        with self._lock:
-            staged = self._ready.pop(request_id, None)
-            if staged is not None:
-                self._staged_blocks -= len(staged)
-            reserved = self._loading.pop(request_id, None)
-            if reserved is not None:
-                self._staged_blocks -= reserved
-            self._deadlines.pop(request_id, None)
-            self._partial.pop(request_id, None)
-
-    # -- the loader thread ---------------------------------------------------------------
-    def _ensure_loader(self) -> None:
-        if self._loader is None:
-            self._loader = threading.Thread(
-                target=self._load_loop, name="ragkv-kv-loader", daemon=True
-            )
-            self._loader.start()
-
-    def _load_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._load(job)
-            except Exception:  # a store bug costs this request its hits, nothing more
-                logger.exception("KV tier loads for %s failed", job.request_id)
-                with self._lock:
-                    reserved = self._loading.pop(job.request_id, None)
-                    if reserved is not None:
-                        self._staged_blocks -= reserved
-                    self._deadlines.pop(job.request_id, None)
-                    self._partial.pop(job.request_id, None)
-            with self._lock:
-                self._read_started = None
-                self._jobs_done += 1
-            self.wake()
-
-    def _load(self, job: _Job) -> None:
-        """Load the job's run in order, stopping at the first miss (a prefix must be whole)
-        or at the job's deadline (what was loaded by then is used)."""
-        staged = StagedBlocks(job.first_block, [], [], [])
-        with self._lock:
-            if job.request_id not in self._loading:
-                return  # dropped before its turn
-            self._partial[job.request_id] = staged  # is_ready takes it at the deadline
-        for block_hash, hash_input in zip(job.hashes, job.inputs, strict=True):
-            started = time.perf_counter()
-            with self._lock:
-                if job.request_id not in self._loading:
-                    return  # dropped (finished, aborted, timed out) while loading
-                if time.monotonic() >= job.deadline:
-                    self.counters.load_timeouts += 1
-                    break
-                self._read_started = time.monotonic()
-            loaded = self.tiers.load(block_hash, hash_input)
-            elapsed = time.perf_counter() - started
-            with self._lock:
-                self._read_started = None
-            if loaded is not None and not self._fits(loaded[0]):
-                logger.warning("KV tier payload of the wrong shape or dtype; recomputing")
-                loaded = None
-            if loaded is None:
-                with self._lock:
-                    self.counters.load_misses += 1
-                break
-            payload, tier = loaded
-            with self._lock:
-                if job.request_id not in self._loading:
-                    return  # timed out during this read: is_ready took what came before
-                staged.hashes.append(block_hash)
-                staged.payloads.append(payload)
-                staged.tiers.append(tier)
-                c = self.counters
-                c.loaded_blocks[tier] = c.loaded_blocks.get(tier, 0) + 1
-                c.loaded_bytes[tier] = c.loaded_bytes.get(tier, 0) + self.block_bytes
-                c.load_s[tier] = c.load_s.get(tier, 0.0) + elapsed
-        with self._lock:
-            reserved = self._loading.pop(job.request_id, None)
-            self._partial.pop(job.request_id, None)
-            if reserved is None:
-                return
-            del self._deadlines[job.request_id]
-            self._staged_blocks -= reserved - len(staged)
-            if staged.payloads:
-                self._ready[job.request_id] = staged
-
-    def _fits(self, payload: Any) -> bool:
-        return (
-            isinstance(payload, torch.Tensor)
-            and tuple(payload.shape) == self.shape
-            and payload.dtype == self.dtype
-        )
 
     # -- lifetime --------------------------------------------------------------------------
     def stats(self) -> tuple[TierCounters, dict[str, Any]]:
@@ -579,9 +401,7 @@ class KVOffload:
 
     def close(self) -> None:
         """Stop the loader, flush the tiers (so a store directory keeps every block), close."""
-        if self._loader is not None:
-            self._jobs.put(None)
-            self._loader.join(timeout=30)
+        self.loader.close()
         try:
             self.flush()
         finally:

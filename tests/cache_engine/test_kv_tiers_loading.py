@@ -198,8 +198,8 @@ def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference
         eng.abort(request.request_id)
         tiers.gate.set()
         thread.join(timeout=30)
-        assert not eng.scheduler.loading and not eng.core.offload._ready
-        assert eng.core.offload._staged_blocks == 0
+        assert not eng.scheduler.loading and not eng.core.offload.loader._ready
+        assert eng.core.offload.loader.staged_blocks == 0
         assert_same(eng.generate(prompt(1, 100), GREEDY, return_logits=True), reference[1])
 
 
