@@ -37,7 +37,8 @@ from ragkv.cache_engine.offload import KVOffload, written_blocks
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats, StreamDelta
 from ragkv.cache_engine.request import Request
-from ragkv.cache_engine.scheduler import Scheduler, SchedulerOutput
+from ragkv.cache_engine.scheduler import Scheduler
+from ragkv.cache_engine.step import SchedulerOutput
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, RequestAbortedError
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class EngineCore:
             batch = self.scheduler.schedule()
             for request, exc in batch.failed:
                 self._fail_request(request, exc)
-            if not batch.chunks:
+            if not batch.slices:
                 if not batch.failed and self.scheduler.waiting:
                     self._fail_unschedulable()
                 return
@@ -289,7 +290,7 @@ class EngineCore:
 
     def _count(self, batch: SchedulerOutput, now: float) -> None:
         stats = self.stats
-        for chunk in batch.chunks:
+        for chunk in batch.slices:
             request = chunk.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now

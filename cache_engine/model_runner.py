@@ -31,7 +31,7 @@ from ragkv.cache_engine.model_support import (
     read_config,
 )
 from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
-from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.kernels import plan_attention
 from ragkv.kernels.dispatch import use_triton
@@ -188,12 +188,12 @@ class ModelRunner:
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: build its inputs, run the model, sample every finishing slice."""
-        inputs = self.prepare(batch.chunks)
-        self.place_reused_chunks(batch.chunks)
+        inputs = self.prepare(batch.slices)
+        self.place_reused_chunks(batch.slices)
         started = time.perf_counter()
         logits = self.forward(inputs)
         forward_s = time.perf_counter() - started
-        sampling = [chunk.request for chunk in batch.chunks if chunk.samples]
+        sampling = [chunk.request for chunk in batch.slices if chunk.samples]
         sampled = SamplerOutput([], [])
         if sampling:
             sampled = self.sampler(
@@ -207,7 +207,7 @@ class ModelRunner:
         ]
         return StepResult(sampled.token_ids, sampled.logprobs, kept, forward_s)
 
-    def place_reused_chunks(self, chunks: list[ScheduledChunk]) -> None:
+    def place_reused_chunks(self, chunks: list[ScheduledSlice]) -> None:
         """Copy the K/V of chunks reused from elsewhere into their new positions, keys
         re-rotated (opt-in chunk reuse), before the forward that attends over them."""
         for chunk in chunks:
@@ -223,7 +223,7 @@ class ModelRunner:
             )
             plan.placed = True
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledSlice]) -> ModelInput:
         """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows.
 
         A chunk with explicit ``positions`` contributes its tokens at those positions, in
@@ -258,7 +258,7 @@ class ModelRunner:
                     batch.sample_rows.append(len(batch.logits_rows) - 1)
         return batch
 
-    def _add_positioned(self, batch: ModelInput, chunk: ScheduledChunk) -> int:
+    def _add_positioned(self, batch: ModelInput, chunk: ScheduledSlice) -> int:
         """Append a chunk's tokens at its explicit positions; returns the offset of its
         sampled row (the one at position ``end - 1``) within the chunk, or its last row's
         when it does not sample."""
@@ -269,7 +269,7 @@ class ModelRunner:
             or (positions and (min(positions) < 0 or max(positions) >= end))
         ):
             raise InvalidInputError(
-                f"ScheduledChunk.positions must hold num_tokens={chunk.num_tokens} distinct "
+                f"ScheduledSlice.positions must hold num_tokens={chunk.num_tokens} distinct "
                 f"positions in [0, {end}); got {len(positions)}",
                 param="positions",
             )

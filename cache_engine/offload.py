@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ragkv.cache_engine.config import EngineConfig
     from ragkv.cache_engine.model_runner import ModelRunner
     from ragkv.cache_engine.request import Request
-    from ragkv.cache_engine.scheduler import SchedulerOutput
+    from ragkv.cache_engine.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def written_blocks(batch: SchedulerOutput, pool: BlockPool, block_size: int) -> 
     (those holding one of its tokens and ending by ``end``). Call after the forward ran.
     """
     out: list[WrittenBlock] = []
-    for chunk in batch.chunks:
+    for chunk in batch.slices:
         salted = chunk.request.salt_digest is not None
         for i in range(chunk.start // block_size, chunk.end // block_size):
             block_id = chunk.block_table[i]

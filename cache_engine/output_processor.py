@@ -21,7 +21,7 @@ from ragkv.cache_engine.detokenizer import IncrementalDetokenizer
 from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import TokenLogprobs
-from ragkv.cache_engine.scheduler import SchedulerOutput
+from ragkv.cache_engine.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class OutputProcessor:
             state = self.states.get(request.request_id)
             if state is not None:
                 state.logits.clear()
-        for chunk, kept in zip(batch.chunks, rows, strict=True):
+        for chunk, kept in zip(batch.slices, rows, strict=True):
             state = self.states.get(chunk.request.request_id)
             if kept is not None and state is not None:
                 if not state.logits:

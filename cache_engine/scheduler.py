@@ -30,7 +30,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendPlan, ChunkIndex
@@ -42,46 +41,13 @@ from ragkv.cache_engine.chunk_reuse.scheduling import (
 )
 from ragkv.cache_engine.config import DEFAULTS, EngineConfig
 from ragkv.cache_engine.request import Request, RequestStatus
+from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import CacheCapacityError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
 MAX_SKIP_AHEAD = 8  # requests admitted past a head that does not fit, per step
 MAX_TIMES_SKIPPED = 16  # times one request may be passed before everyone waits for it
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step.
-
-    ``positions`` (opt-in, for chunk reuse): the explicit positions of the ``num_tokens``
-    tokens computed this step, in any order, each below ``end``; every other position below
-    ``end`` must already hold K/V. The sequence is ``end`` tokens long after the step, and a
-    slice that samples must compute position ``end - 1``. ``None``: positions
-    ``start .. end - 1``.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_table: list[int]  # the request's blocks in token order (the manager's live list)
-    positions: list[int] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this slice reaches the end of the request: the step samples a token."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # finished, freed
 
 
 class Scheduler:
@@ -196,7 +162,7 @@ class Scheduler:
             if allocated is None:  # failed and removed: i is now the next request
                 continue
             start = request.num_computed_tokens
-            out.chunks.append(ScheduledChunk(request, start, num_new, self.kv.block_table(request)))
+            out.slices.append(ScheduledSlice(request, start, num_new, self.kv.block_table(request)))
             budget -= num_new
             i += 1
         return budget
@@ -276,11 +242,11 @@ class Scheduler:
             self.running.append(request)
             block_table = self.kv.block_table(request)
             if plan is None:
-                out.chunks.append(ScheduledChunk(request, num_computed, num_new, block_table))
+                out.slices.append(ScheduledSlice(request, num_computed, num_new, block_table))
             else:  # explicit positions: the slice ends at the prompt's end (its ``end``)
                 start = request.num_tokens - num_new
-                out.chunks.append(
-                    ScheduledChunk(request, start, num_new, block_table, positions=plan.positions)
+                out.slices.append(
+                    ScheduledSlice(request, start, num_new, block_table, positions=plan.positions)
                 )
             budget -= num_new
 
@@ -291,7 +257,7 @@ class Scheduler:
         first ("stop"), then ``max_tokens`` or the context length ("length"). Returns the
         requests that sampled, in order, finished or not.
         """
-        for chunk in out.chunks:
+        for chunk in out.slices:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             release_pins(self.kv, request)
@@ -302,7 +268,7 @@ class Scheduler:
                 and request.num_computed_tokens >= request.num_prompt_tokens
             ):
                 record_chunks(self.chunk_index, self.kv, request)
-        sampling = [chunk.request for chunk in out.chunks if chunk.samples]
+        sampling = [chunk.request for chunk in out.slices if chunk.samples]
         now = time.perf_counter()
         for request, token in zip(sampling, sampled, strict=True):
             if request.first_token_time is None:

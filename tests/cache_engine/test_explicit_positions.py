@@ -1,5 +1,5 @@
 """Steps that compute a prompt's tokens at explicit, scattered positions
-(``ScheduledChunk.positions``) give the logits of a plain Hugging Face forward.
+(``ScheduledSlice.positions``) give the logits of a plain Hugging Face forward.
 
 The model runner is driven directly, as the engine's chunk reuse drives it: no scheduler,
 hand-made block tables (scattered blocks), K/V of the positions not computed in a step
@@ -15,7 +15,7 @@ from support import save_tiny_checkpoint
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampling_params import SamplingParams
-from ragkv.cache_engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import InvalidInputError
 
 BLOCK = 4
@@ -50,8 +50,8 @@ def hf_logits(model, request: Request) -> torch.Tensor:
     return model(torch.tensor([request.token_ids])).logits[0].float()
 
 
-def step(runner: ModelRunner, *chunks: ScheduledChunk):
-    return runner.execute(SchedulerOutput(chunks=list(chunks)))
+def step(runner: ModelRunner, *chunks: ScheduledSlice):
+    return runner.execute(SchedulerOutput(slices=list(chunks)))
 
 
 def test_a_prompt_computed_out_of_order_across_two_steps_matches_hf(checkpoint):
@@ -64,11 +64,11 @@ def test_a_prompt_computed_out_of_order_across_two_steps_matches_hf(checkpoint):
     # A plain prefill of another request shares the second step (its rows keep the default
     # "last q_len positions" semantics inside a step that passes explicit positions).
     other = make_request("b", 10, seed=2)
-    out1 = step(runner, ScheduledChunk(req, 0, 8, table, positions=first))
+    out1 = step(runner, ScheduledSlice(req, 0, 8, table, positions=first))
     out2 = step(
         runner,
-        ScheduledChunk(req, 8, 8, table, positions=second),
-        ScheduledChunk(other, 0, 10, [20, 12, 5]),
+        ScheduledSlice(req, 8, 8, table, positions=second),
+        ScheduledSlice(other, 0, 10, [20, 12, 5]),
     )
     expected = hf_logits(model, req)
     torch.testing.assert_close(out1.logits[0], expected[first], atol=ATOL, rtol=ATOL)
@@ -87,14 +87,14 @@ def test_scattered_positions_recomputed_over_placed_kv_match_hf(checkpoint):
     runner = make_runner(path)
     req = make_request("a", 18, seed=3)
     source, target = [0, 1, 2, 3, 4], [14, 10, 11, 6, 17]
-    step(runner, ScheduledChunk(make_request("src", 18, seed=3), 0, 18, source))
+    step(runner, ScheduledSlice(make_request("src", 18, seed=3), 0, 18, source))
     recompute = [13, 2, 7, 17, 0]
     slots = torch.tensor([target[p // BLOCK] * BLOCK + p % BLOCK for p in recompute])
     for k_cache, v_cache in runner.kv_caches:
         for cache in (k_cache, v_cache):
             cache[target] = cache[source]
             cache.view(-1, *cache.shape[2:])[slots] = float("nan")
-    out = step(runner, ScheduledChunk(req, 18 - len(recompute), len(recompute), target, recompute))
+    out = step(runner, ScheduledSlice(req, 18 - len(recompute), len(recompute), target, recompute))
     expected = hf_logits(model, req)
     torch.testing.assert_close(out.logits[0], expected[recompute], atol=ATOL, rtol=ATOL)
     assert out.token_ids == [int(expected[17].argmax())]
@@ -104,9 +104,9 @@ def test_a_sampling_slice_without_its_last_position_is_refused(checkpoint):
     runner = make_runner(checkpoint[0])
     req = make_request("a", 8, seed=4)
     with pytest.raises(InvalidInputError) as err:
-        runner.prepare([ScheduledChunk(req, 1, 7, [0, 1], positions=[0, 1, 2, 3, 4, 5, 6])])
+        runner.prepare([ScheduledSlice(req, 1, 7, [0, 1], positions=[0, 1, 2, 3, 4, 5, 6])])
     assert err.value.param == "positions"
     # one distinct position per computed token, each below the slice's end
     for positions in ([4, 5, 8, 7], [4, 5, 6], [7, 5, 5, 6]):
         with pytest.raises(InvalidInputError):
-            runner.prepare([ScheduledChunk(req, 4, 4, [0, 1], positions=positions)])
+            runner.prepare([ScheduledSlice(req, 4, 4, [0, 1], positions=positions)])

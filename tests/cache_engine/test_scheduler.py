@@ -34,7 +34,7 @@ def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_sched
         scheduler.add(request)
     out = scheduler.schedule()
     assert [(r.request_id, str(e)) for r, e in out.failed] == [("bad", "simulated hashing fault")]
-    assert {c.request.request_id for c in out.chunks} == {"a", "c"}
+    assert {c.request.request_id for c in out.slices} == {"a", "c"}
     assert requests[1].status is RequestStatus.FINISHED
     assert requests[1] not in scheduler.waiting and requests[1] not in scheduler.running
     assert kv.num_free_blocks == 32 - 2 * 3  # only a and c hold blocks
@@ -61,13 +61,13 @@ def test_a_running_request_failing_in_its_own_allocation_is_reported_alone():
     for request in requests:
         scheduler.add(request)
     first = scheduler.schedule()
-    assert len(first.chunks) == 3 and not first.failed
-    for chunk in first.chunks:  # the step ran: K/V written, one token sampled each
+    assert len(first.slices) == 3 and not first.failed
+    for chunk in first.slices:  # the step ran: K/V written, one token sampled each
         chunk.request.num_computed_tokens = chunk.end
         chunk.request.token_ids.append(1)
     second = scheduler.schedule()
     assert [r.request_id for r, _ in second.failed] == ["bad"]
-    assert [c.request.request_id for c in second.chunks] == ["a", "c"]
+    assert [c.request.request_id for c in second.slices] == ["a", "c"]
     assert scheduler.running == [requests[0], requests[2]]
 
 
@@ -84,12 +84,12 @@ def make(rid: str, n: int, *, first: int = 100, max_tokens: int = 4, **kwargs) -
 def run_step(scheduler: Scheduler, token: int = 7):
     """Schedule, pretend the model ran, sample ``token`` for every slice that samples."""
     out = scheduler.schedule()
-    scheduler.update(out, [token] * sum(c.samples for c in out.chunks))
+    scheduler.update(out, [token] * sum(c.samples for c in out.slices))
     return out
 
 
 def slices(out) -> list[tuple[str, int, int]]:
-    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.slices]
 
 
 def test_the_token_budget_chunks_the_prefill_that_does_not_fit():
@@ -98,7 +98,7 @@ def test_the_token_budget_chunks_the_prefill_that_does_not_fit():
         scheduler.add(make(rid, 10, first=100 * (i + 1)))
     out = scheduler.schedule()
     assert slices(out) == [("a", 0, 10), ("b", 0, 6)]  # c waits: the budget is spent
-    assert [c.samples for c in out.chunks] == [True, False]
+    assert [c.samples for c in out.slices] == [True, False]
     scheduler.update(out, [7])
     out = run_step(scheduler)
     # Running requests first (a decodes, b finishes its prefill), then c with what is left.
@@ -140,10 +140,10 @@ def test_a_full_pool_preempts_the_youngest_running_request_which_is_recomputed()
     generated = young.output_token_ids
     for _ in range(40):  # old runs to its end, then young is admitted again
         out = scheduler.schedule()
-        again = [c for c in out.chunks if c.request is young]
+        again = [c for c in out.slices if c.request is young]
         if again:
             break
-        scheduler.update(out, [7] * sum(c.samples for c in out.chunks))
+        scheduler.update(out, [7] * sum(c.samples for c in out.slices))
     # Recomputed from its longest cached prefix up to the end, keeping what it generated.
     [chunk] = again
     assert chunk.start % kv.block_size == 0 and chunk.end == young.num_tokens and chunk.samples
@@ -162,7 +162,7 @@ def test_longest_prefix_admits_the_request_with_the_longest_cached_prefix_first(
         scheduler.add(make("cold", 17, first=500))  # arrived first, nothing cached
         scheduler.add(Request("hot", shared + [2], SamplingParams(max_tokens=4)))
         out = scheduler.schedule()
-        return out.chunks[0].request.request_id
+        return out.slices[0].request.request_id
 
     assert admitted_first("fcfs") == "cold"
     assert admitted_first("longest-prefix") == "hot"
@@ -210,12 +210,12 @@ def test_waiting_requests_of_several_tenants_are_admitted_round_robin():
     scheduler.add(_request("a0", 8, b"A", start=999))
     scheduler.add(_request("a1", 8, b"A", start=1999))
     out = scheduler.schedule()
-    assert [c.request.request_id for c in out.chunks] == ["b0", "a0", "b1"]
+    assert [c.request.request_id for c in out.slices] == ["b0", "a0", "b1"]
     # One tenant alone keeps its arrival order.
     solo = Scheduler(KVCacheManager(num_blocks=256, block_size=4), DEFAULTS.replace(max_num_seqs=2))
     for i in range(3):
         solo.add(_request(f"s{i}", 8, b"S", start=100 * i))
-    assert [c.request.request_id for c in solo.schedule().chunks] == ["s0", "s1"]
+    assert [c.request.request_id for c in solo.schedule().slices] == ["s0", "s1"]
 
 
 def test_a_head_that_does_not_fit_is_passed_by_smaller_requests_a_bounded_number_of_times():
@@ -228,14 +228,14 @@ def test_a_head_that_does_not_fit_is_passed_by_smaller_requests_a_bounded_number
     hog.params = SamplingParams(max_tokens=4)
     scheduler.add(hog)
     out = scheduler.schedule()
-    assert [c.request.request_id for c in out.chunks] == ["hog"]
+    assert [c.request.request_id for c in out.slices] == ["hog"]
     scheduler.update(out, [7])
     scheduler.add(_request("big", 20, start=500))  # 5 blocks: not while hog runs
     scheduler.add(_request("small", 3, start=900))  # 1 block: fits beside hog
-    chunks = scheduler.schedule().chunks
+    chunks = scheduler.schedule().slices
     assert [c.request.request_id for c in chunks] == ["hog", "small"]
     assert scheduler.waiting[0].request_id == "big" and scheduler.waiting[0].num_skipped == 1
     # Bounded: once passed MAX_TIMES_SKIPPED times, the head waits and so does everyone.
     scheduler.waiting[0].num_skipped = MAX_TIMES_SKIPPED
     scheduler.add(_request("tiny", 2, start=950))
-    assert "tiny" not in [c.request.request_id for c in scheduler.schedule().chunks]
+    assert "tiny" not in [c.request.request_id for c in scheduler.schedule().slices]
