@@ -13,12 +13,7 @@ import pytest
 import torch
 from support import FAMILIES, save_tiny_checkpoint
 
-from ragkv.cache_engine import Engine, SamplingParams, kv_tiers
-
-# The disk tier lands in a second step of the store layer; until then its tests are skipped.
-needs_disk = pytest.mark.skipif(
-    not hasattr(kv_tiers, "DiskStore"), reason="the disk tier (DiskStore) is not there yet"
-)
+from ragkv.cache_engine import Engine, SamplingParams
 
 BLOCK = 16
 N = 100  # prompt tokens: 6 full blocks reusable, 7 pool blocks with the output
@@ -96,7 +91,6 @@ def test_a_prefix_from_the_pool_or_host_memory_is_exact(family_dir):
         assert_exact(out, ref)
 
 
-@needs_disk
 def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, tmp_path):
     refs = references(family_dir, range(4))
     store = tmp_path / "store"
@@ -127,7 +121,6 @@ def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, t
     assert stats.tier_loaded_blocks["host"] >= 6 and stats.tier_loaded_blocks["disk"] == 6
 
 
-@needs_disk
 def test_a_new_engine_on_the_store_serves_the_prefix_from_disk_at_once(llama, tmp_path):
     path, refs = llama
     run_and_close(path, tmp_path / "s", [0])
@@ -148,7 +141,6 @@ def _block_files(store):
     return files
 
 
-@needs_disk
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_a_damaged_store_costs_hits_never_exactness(llama, tmp_path, damage):
     path, refs = llama
@@ -174,7 +166,6 @@ def test_a_damaged_store_costs_hits_never_exactness(llama, tmp_path, damage):
         assert stats.tiers["disk"].misses >= 1
 
 
-@needs_disk
 def test_damaging_every_file_of_the_store_still_serves_exactly(llama, tmp_path):
     path, refs = llama
     store = tmp_path / "s"
@@ -190,7 +181,6 @@ def test_damaging_every_file_of_the_store_still_serves_exactly(llama, tmp_path):
     assert_exact(out, refs[0])
 
 
-@needs_disk
 def test_another_salt_never_hits_and_unsalted_blocks_can_stay_off_disk(llama, tmp_path):
     path, _ = llama
     store = tmp_path / "s"
@@ -214,7 +204,6 @@ def test_another_salt_never_hits_and_unsalted_blocks_can_stay_off_disk(llama, tm
     assert plain.usage.cached_tokens_by_tier == {"pool": 0, "disk": 96}
 
 
-@needs_disk
 def test_a_changed_checkpoint_at_the_same_path_never_reads_old_entries(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -232,7 +221,6 @@ def test_a_changed_checkpoint_at_the_same_path_never_reads_old_entries(tmp_path)
     assert_exact(out, refs[0])
 
 
-@needs_disk
 def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path):
     path, refs = llama
     store = tmp_path / "s"
