@@ -91,9 +91,20 @@ class BlockPool:
                 refs[block_id] = 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference each; blocks reaching zero join the queue tail in the given order."""
+        """Drop one reference each; blocks reaching zero join the queue tail in the given order.
+
+        Freeing a block that holds no reference is a double free in ragkv itself (a caller
+        bookkeeping bug, not bad input): it raises ``RuntimeError``, not a ``RagkvError``, so
+        the server logs it as an internal error instead of answering the request with it.
+        Blocks before it in ``block_ids`` are already released; the offending one is untouched.
+        """
         refs, free = self.ref_counts, self._free
         for block_id in block_ids:
+            if not refs[block_id]:
+                raise RuntimeError(
+                    f"block {block_id} freed with no reference held (a double free); "
+                    "the KV cache manager's bookkeeping is wrong"
+                )
             refs[block_id] -= 1
             if refs[block_id] == 0:
                 free[block_id] = None

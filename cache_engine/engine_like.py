@@ -10,7 +10,7 @@ Importing this module loads no torch.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -80,4 +80,30 @@ class EngineLike(Protocol):
         ...
 
 
-__all__ = ["EngineLike", "Prompt"]
+# Optional capabilities: an engine may offer them on top of EngineLike. Callers test with
+# isinstance (these check that the member exists, not its signature or value).
+
+
+@runtime_checkable
+class ChecksHealth(Protocol):
+    """Asks its server whether it answers (``RemoteEngine``); True when it does."""
+
+    def check_health(self, timeout_s: float = 2.0) -> bool: ...
+
+
+@runtime_checkable
+class ReportsHealth(Protocol):
+    """Knows its own health (the in-process ``Engine``): ``health().ok``, or it raises."""
+
+    def health(self) -> Any: ...
+
+
+@runtime_checkable
+class MayReuseChunks(Protocol):
+    """Says whether ``generate(..., chunk_spans=, reuse=)`` can reuse a chunk's KV at another
+    position (``supports_chunk_reuse``); an engine without the flag cannot."""
+
+    supports_chunk_reuse: bool
+
+
+__all__ = ["ChecksHealth", "EngineLike", "MayReuseChunks", "Prompt", "ReportsHealth"]

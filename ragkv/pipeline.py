@@ -21,7 +21,7 @@ from ragkv.assembler import Assembler, PromptPlan
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import DEFAULT_WINDOW
 from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.engine_like import EngineLike, MayReuseChunks
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
@@ -482,7 +482,7 @@ def _check_reuse(
         raise ConfigError(f"unknown reuse {reuse!r}; use None or 'blend'", param="reuse")
     if blend is not None and not isinstance(blend, BlendConfig):
         raise ConfigError(f"blend must be a BlendConfig, got {type(blend).__name__}", param="blend")
-    if not getattr(engine, "supports_chunk_reuse", False):
+    if not (isinstance(engine, MayReuseChunks) and engine.supports_chunk_reuse):
         raise ConfigError(
             f"reuse='blend' needs the in-process Engine; {type(engine).__name__} cannot reuse "
             "chunks at another position",

@@ -6,6 +6,8 @@ fixed seed, and the tokenizer is a byte-level BPE trained on CPython's own docs.
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -102,6 +104,26 @@ def save_tiny_checkpoint(
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """``n`` random token ids of the tiny vocab, skipping the special ids 0-2 (same per seed)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+
+
+@torch.inference_mode()
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """The Hugging Face forward of ``token_ids``: fp32 logits, one row per position."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def sse_payloads(text: str) -> list:
+    """Every ``data:`` payload of an SSE body, checking the framing on the way."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
 def common_prefix(a, b) -> int:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
-from ragkv.cache_engine.engine_like import EngineLike, Prompt
+from ragkv.cache_engine.engine_like import ChecksHealth, EngineLike, Prompt, ReportsHealth
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import (
@@ -662,13 +662,11 @@ def _exhausted(route: _Route, attempts: int) -> RemoteEngineError:
 
 
 def _probe(engine: Any, timeout_s: float) -> bool:
-    check = getattr(engine, "check_health", None)
-    if check is not None:
-        return bool(check(timeout_s=timeout_s))
-    health = getattr(engine, "health", None)
-    if health is not None:
+    if isinstance(engine, ChecksHealth):
+        return bool(engine.check_health(timeout_s=timeout_s))
+    if isinstance(engine, ReportsHealth):
         try:
-            return bool(health().ok)
+            return bool(engine.health().ok)
         except Exception:  # noqa: BLE001 - any failure of a probe means "not back yet"
             return False
     return True

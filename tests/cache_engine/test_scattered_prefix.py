@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import save_tiny_checkpoint
+from support import ids, reference_logits, save_tiny_checkpoint
 
 from ragkv.cache_engine import Engine, SamplingParams
 
 BLOCK = 16
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=gen).tolist()
-
-
-@torch.inference_mode()
 def assert_logits_match(model, out) -> None:
     """The engine's kept rows equal the HF forward of prompt + output (fp32, 1e-4)."""
     full = out.prompt_token_ids + out.token_ids[:-1]
-    expected = model(torch.tensor([full])).logits[0].float()[out.logits_start :]
+    expected = reference_logits(model, full)[out.logits_start :]
     assert (out.logits - expected).abs().max().item() <= 1e-4
 
 
@@ -43,11 +37,11 @@ def test_a_hit_over_descending_blocks_with_a_one_block_suffix_is_exact(checkpoin
     # Eight blocks: the first request takes all of them and frees them tail first, so the
     # next request gets its blocks in descending order (runs of one block each).
     with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=8 * BLOCK) as engine:
-        engine.generate(prompt(1, 7 * BLOCK + 4), SamplingParams(max_tokens=1))
-        ids = prompt(2, 3 * BLOCK)  # a multiple of the block size: the last block recomputed
+        engine.generate(ids(1, 7 * BLOCK + 4), SamplingParams(max_tokens=1))
+        prompt = ids(2, 3 * BLOCK)  # a multiple of the block size: the last block recomputed
         params = SamplingParams(max_tokens=6)
-        first = engine.generate(ids, params, return_logits=True)
-        again = engine.generate(ids, params, return_logits=True)
+        first = engine.generate(prompt, params, return_logits=True)
+        again = engine.generate(prompt, params, return_logits=True)
     assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == 2 * BLOCK
     assert_logits_match(model, first)
     assert_logits_match(model, again)

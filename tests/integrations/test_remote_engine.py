@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 
 import httpx
 import pytest
+from support import ids
 
 import ragkv
 from ragkv.cache_engine import SamplingParams
@@ -19,11 +19,6 @@ from ragkv.errors import RemoteEngineError
 from ragkv.integrations.openai import RemoteEngine
 
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
 
 
 # -- against ragkv serve ---------------------------------------------------------------------

@@ -3,30 +3,16 @@ bad input, metrics, timeouts and disconnects (blocks return to the pool)."""
 
 from __future__ import annotations
 
-import json
-import random
-
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
+from support import ids, sse_payloads
+
 from ragkv.cache_engine import SamplingParams  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-def sse_payloads(text: str) -> list:
-    """Every ``data:`` payload of an SSE body, checking the framing on the way."""
-    events = [e for e in text.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
 def test_completion_with_token_ids_matches_a_direct_engine_call(client, serve_engine):

@@ -9,12 +9,13 @@ event or ``[DONE]``, and large bodies are parsed off the event loop.
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
+
+from support import ids, sse_payloads
 
 from ragkv.errors import ConfigError, InvalidInputError  # noqa: E402
 from ragkv.integrations.openai.protocol import RequestLimits  # noqa: E402
@@ -49,18 +50,6 @@ def as_tenant(key: str) -> dict[str, str]:
 def cached(response: httpx.Response) -> int:
     assert response.status_code == 200, response.text
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def sse_payloads(text: str) -> list:
-    events = [e for e in text.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
 
 
 def post_raw(client: httpx.Client, path: str, text: str) -> httpx.Response:
