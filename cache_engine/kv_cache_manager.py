@@ -15,6 +15,7 @@ attention reads it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,8 +34,8 @@ class CacheRequest(Protocol):
     token_ids: list[int]  # prompt + generated so far; grows
     num_prompt_tokens: int
     salt_digest: bytes | None  # block_hash.digest_salt(cache_salt), computed by the caller
-    # Its block hashes (new_hasher), kept on the request; None: the manager makes it once.
-    block_hasher: BlockHasher | None
+    # Optional: its block hashes (new_hasher), kept on the request across preemption; None
+    # or absent, the manager makes them (and keeps them on the request when it can).
 
 
 @dataclass(slots=True)
@@ -226,9 +227,11 @@ class KVCacheManager:
     def _state(self, request: CacheRequest) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            hasher = request.block_hasher
+            hasher = getattr(request, "block_hasher", None)
             if hasher is None or hasher.block_size != self.block_size:  # made here, kept
-                hasher = request.block_hasher = self.new_hasher(request.salt_digest)
+                hasher = self.new_hasher(request.salt_digest)
+                with contextlib.suppress(AttributeError):  # a request type without the slot
+                    request.block_hasher = hasher
             state = self._requests[request.request_id] = _RequestState(hasher)
         return state
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.dedup.hashing import hasher
 from ragkv.errors import InvalidChunkError, InvalidInputError
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def encode_text(text: str) -> bytes:
@@ -75,10 +78,17 @@ class Chunk:
 
     @property
     def text(self) -> str:
-        """The chunk as text; invalid UTF-8 bytes are shown as U+FFFD (never used for identity)."""
+        """The chunk as text; invalid UTF-8 bytes are shown as U+FFFD (never used for identity).
+
+        Text is a function of :attr:`data`: a string with lone surrogates reads as its bytes
+        do (each invalid byte U+FFFD), so a str and a bytes chunk of the same bytes, which
+        share one identity, also share one text and one tokenization.
+        """
         content = self.content
         if isinstance(content, str):
-            return content
+            if content.isascii() or not _LONE_SURROGATE.search(content):
+                return content
+            return self.data.decode("utf-8", "replace")
         return content.decode("utf-8", "replace")
 
     def digest(self, algo: str = "blake3") -> bytes:

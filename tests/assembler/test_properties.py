@@ -27,6 +27,8 @@ _settings = settings(
     slack=st.one_of(st.none(), st.integers(0, 60)),
 )
 @example(requests=[["lone \udb6d surrogate", b"\xff\xfe bad utf-8"]], order="retrieval", slack=None)
+# One identity (the bytes) must be one text: a lone surrogate and its surrogatepass bytes.
+@example(requests=[["\ud800"], [b"\xed\xa0\x80"]], order="retrieval", slack=None)
 def test_every_kept_chunk_appears_once_and_decodes_to_its_text(
     any_tokenizer, requests, order, slack
 ):
