@@ -59,6 +59,7 @@ from ragkv.assembler.structured import SystemLike, Volatile, system_parts
 from ragkv.assembler.template import Layout, Piece, PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError, InvalidInputError
 
 Residency = Callable[[Sequence[int]], int]
@@ -127,7 +128,7 @@ class Assembler:
     def __init__(
         self,
         tokenizer: Any,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         order: str = "stable-first",
         registry: ChunkRegistry | None = None,
         *,

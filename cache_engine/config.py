@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
