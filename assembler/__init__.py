@@ -3,7 +3,8 @@
 ``Assembler(tokenizer).assemble(system=..., chunks=..., question=...)`` returns a
 :class:`PromptPlan` whose ``token_ids`` put static content first, then retrieved chunks in
 a request-independent (or cache-aware) order, then volatile content, so consecutive RAG
-requests share long prefixes in the engine's prefix cache.
+requests share long prefixes in the engine's prefix cache. Its settings are one
+:class:`AssemblerConfig`: ``Assembler(tokenizer, config=AssemblerConfig(order="cache-aware"))``.
 
 Quality trade-off: reordering chunks discards the retriever's relevance order, which a
 model may use. ``order="retrieval"`` restores it (and shares little prefix).
@@ -17,6 +18,7 @@ with the application's own order, and the plan with the longer cached prefix is 
 """
 
 from ragkv.assembler.assembler import Assembler, Residency
+from ragkv.assembler.config import AssemblerConfig
 from ragkv.assembler.ordering import ORDERS
 from ragkv.assembler.plan import AssemblyStats, DroppedChunk, PromptPlan, SegmentSpan
 from ragkv.assembler.prefix_tree import ChunkPrefixTree
@@ -30,6 +32,7 @@ from ragkv.assembler.template import Layout
 __all__ = [
     "ORDERS",
     "Assembler",
+    "AssemblerConfig",
     "AssemblyStats",
     "ChunkPrefixTree",
     "DroppedChunk",

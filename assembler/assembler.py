@@ -37,10 +37,10 @@ from typing import Any
 
 from ragkv.assembler.boundaries import is_boundary, last_boundary, next_boundary
 from ragkv.assembler.budget import fit_budget
+from ragkv.assembler.config import AssemblerConfig
 from ragkv.assembler.ordering import (
     cache_aware_order,
     canonical_order,
-    check_order,
     retrieval_order,
 )
 from ragkv.assembler.plan import AssemblyStats, DroppedChunk, PromptPlan, SegmentSpan
@@ -107,65 +107,39 @@ _PATH_RANKS = 1 << 40
 class Assembler:
     """Builds :class:`PromptPlan` s from system prompt, retrieved chunks and question.
 
-    ``order`` is ``"stable-first"`` (default), ``"cache-aware"`` or ``"retrieval"`` (see
-    :mod:`ragkv.assembler.ordering`). ``registry`` is shared with the dedup stage if given.
-    ``residency`` is the engine's cached-prefix callback; with it, plans report
-    ``expected_cached_tokens`` and candidate orders are compared by what the engine holds.
-    ``demote_invalidators`` keeps the stable head and tail of a "static" slot that changes
-    on every request in place and moves only its changing part after the chunks
-    (:mod:`ragkv.assembler.slots`); ``invalidator_after`` novel versions in a row mark a
-    slot as changing. ``never_worse=False`` skips the comparison with the as-given order;
-    the as-given plan must win by more than ``never_worse_slack`` tokens, because near-ties go
-    to the canonical plan, the one later requests can share. The default is one block plus
-    the tokens a learned split gave up to cut on a text boundary (without that, a layout
-    whose clean cut is a few tokens shorter than the app's shared prefix would never be sent
-    once, and so never cached); an explicit value is used as it is (0: strictly never worse).
-    ``collapse_duplicates=False`` keeps byte-identical chunks as retrieved (what an
-    application without a dedup stage sends; the benchmark's baseline lanes need it).
+    ``config`` (an :class:`~ragkv.assembler.config.AssemblerConfig`) holds every setting:
+    block size, order, layout, invalidator demotion, never-worse comparison, bounds. The
+    same settings may be given as keywords instead (``Assembler(tok, block_size=16,
+    order="cache-aware")`` builds the config); giving both is a
+    :class:`~ragkv.errors.ConfigError`. Besides the config, an assembler takes its
+    collaborators: ``registry`` (shared with the dedup stage if given), ``residency`` (the
+    engine's cached-prefix callback; with it, plans report ``expected_cached_tokens`` and
+    candidate orders are compared by what the engine holds) and ``stability`` (a
+    :class:`StabilityTracker` to start from).
     """
 
     def __init__(
         self,
         tokenizer: Any,
-        block_size: int = 16,
-        order: str = "stable-first",
+        block_size: int | None = None,
+        order: str | None = None,
         registry: ChunkRegistry | None = None,
         *,
+        config: AssemblerConfig | None = None,
         residency: Residency | None = None,
-        chat_template: bool = True,
-        layout: Layout | None = None,
-        demote_invalidators: bool = True,
-        invalidator_after: int = 3,
         stability: StabilityTracker | None = None,
-        tree_max_nodes: int = 16_384,
-        measure_seams: bool = False,
-        collapse_duplicates: bool = True,
-        never_worse: bool = True,
+        chat_template: bool | None = None,
+        layout: Layout | None = None,
+        demote_invalidators: bool | None = None,
+        invalidator_after: int | None = None,
+        tree_max_nodes: int | None = None,
+        measure_seams: bool | None = None,
+        collapse_duplicates: bool | None = None,
+        never_worse: bool | None = None,
         never_worse_slack: int | None = None,
-        sent_max_blocks: int = 65_536,
+        sent_max_blocks: int | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}.")
-        self.tokenizer = text_tokenizer(tokenizer)
-        self.block_size = block_size
-        self.order = check_order(order)
-        self.registry = registry if registry is not None else ChunkRegistry()
-        self.registry_key = self.tokenizer.key  # a tenant's fork keeps its token ids apart
-        self.residency = residency
-        self.template = PromptTemplate(self.tokenizer, layout, chat_template)
-        self.demote_invalidators = demote_invalidators
-        self.tracker = stability if stability is not None else StabilityTracker()
-        self.slots = SlotLearner(block_size, after=invalidator_after)
-        self.tree = ChunkPrefixTree(tree_max_nodes)
-        self.sent = SentPrefixes(block_size, sent_max_blocks)
-        self.measure_seams = measure_seams
-        self.collapse_duplicates = collapse_duplicates
-        self.never_worse = never_worse
-        self.never_worse_slack = block_size if never_worse_slack is None else never_worse_slack
-        self._boundary_slack = never_worse_slack is None  # see _choose
-        self._lock = threading.Lock()
-        self._cuts: OrderedDict[tuple[bool, int, bytes], tuple[int, str]] = OrderedDict()
-        self._settings = {
+        settings = {
             "block_size": block_size,
             "order": order,
             "chat_template": chat_template,
@@ -179,6 +153,28 @@ class Assembler:
             "never_worse_slack": never_worse_slack,
             "sent_max_blocks": sent_max_blocks,
         }
+        config = _config(config, {k: v for k, v in settings.items() if v is not None})
+        self.config = config
+        self.tokenizer = text_tokenizer(tokenizer)
+        self.block_size = config.block_size
+        self.order = config.order
+        self.registry = registry if registry is not None else ChunkRegistry()
+        self.registry_key = self.tokenizer.key  # a tenant's fork keeps its token ids apart
+        self.residency = residency
+        self.template = PromptTemplate(self.tokenizer, config.layout, config.chat_template)
+        self.demote_invalidators = config.demote_invalidators
+        self.tracker = stability if stability is not None else StabilityTracker()
+        self.slots = SlotLearner(config.block_size, after=config.invalidator_after)
+        self.tree = ChunkPrefixTree(config.tree_max_nodes)
+        self.sent = SentPrefixes(config.block_size, config.sent_max_blocks)
+        self.measure_seams = config.measure_seams
+        self.collapse_duplicates = config.collapse_duplicates
+        self.never_worse = config.never_worse
+        slack = config.never_worse_slack
+        self.never_worse_slack = config.block_size if slack is None else slack
+        self._boundary_slack = slack is None  # see _choose
+        self._lock = threading.Lock()
+        self._cuts: OrderedDict[tuple[bool, int, bytes], tuple[int, str]] = OrderedDict()
 
     # -- public ---------------------------------------------------------------------------
 
@@ -259,7 +255,7 @@ class Assembler:
             stability=StabilityTracker(
                 tracker.promote_after, tracker.window, tracker.demote_after, tracker.max_tracked
             ),
-            **self._settings,
+            config=self.config,
         )
         if scope is not None:
             digest = content_hash(scope.encode("utf-8", "surrogatepass")).hex()[:32]
@@ -802,3 +798,20 @@ def _text(value: object, what: str, param: str) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f"{what} must be str, got {type(value).__name__}.", param=param)
     return value
+
+
+def _config(config: AssemblerConfig | None, settings: dict[str, Any]) -> AssemblerConfig:
+    """``config``, or one built from the keyword ``settings``; never both."""
+    if config is None:
+        return AssemblerConfig(**settings)
+    if settings:
+        raise ConfigError(
+            f"give the assembler's settings either as config= or as keywords "
+            f"({', '.join(sorted(settings))}), not both; use config.replace(...) to change some",
+            param="config",
+        )
+    if not isinstance(config, AssemblerConfig):
+        raise ConfigError(
+            f"config must be an AssemblerConfig, got {type(config).__name__}", param="config"
+        )
+    return config

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError
 
 _ROOT = xxhash.xxh3_128_digest(b"ragkv/assembler/sent/v1")
@@ -24,7 +25,7 @@ _ROOT = xxhash.xxh3_128_digest(b"ragkv/assembler/sent/v1")
 class SentPrefixes:
     """Chained hashes of the full blocks of recently sent prompts (at most ``max_blocks``)."""
 
-    def __init__(self, block_size: int = 16, max_blocks: int = 65_536) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, max_blocks: int = 65_536) -> None:
         if block_size < 1 or max_blocks < 1:
             raise ConfigError("block_size and max_blocks must be >= 1.")
         self.block_size = block_size

@@ -43,6 +43,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class SlotLearner:
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         versions: int = 8,
         after: int = 3,

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from ragkv.assembler import Assembler
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 
 WINDOW = 800
-BLOCK = 16
+BLOCK = DEFAULT_BLOCK_SIZE
 
 
 def load_tokenizer():

@@ -23,9 +23,12 @@ from ragkv.bench.lanes import build_pipeline, lane_specs
 from ragkv.bench.production import ProductionConfig, production_workload
 from ragkv.bench.workload import SyntheticConfig, synthetic_workload
 from ragkv.cache_engine import block_hashes, default_model_path
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 
 
-def bound(workload, tokenizer, ks: list[int], block_size: int = 16) -> dict[str, float]:
+def bound(
+    workload, tokenizer, ks: list[int], block_size: int = DEFAULT_BLOCK_SIZE
+) -> dict[str, float]:
     stand_in = SimpleNamespace(tokenizer=tokenizer, block_size=block_size, knows_residency=False)
     pipe = build_pipeline(lane_specs(["ragkv"])[0], stand_in)
     turns: dict[str, list[dict[str, str]]] = defaultdict(list)

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 
 ONE = SamplingParams(max_tokens=1)
-PROMPT, SHARED, BLOCK = 2048, 1984, 16
+PROMPT, SHARED, BLOCK = 2048, 1984, DEFAULT_BLOCK_SIZE
 
 
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:

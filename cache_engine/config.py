@@ -1,19 +1,23 @@
-"""One engine configuration: every setting, its default and its check, in one place.
+"""One engine configuration: every setting, its default, its check and its flag, in one place.
 
 ``EngineConfig`` is validated once, when it is built, so a bad setting fails before a
 model is loaded. Everything that sizes or loads an engine reads its defaults from
 :data:`DEFAULTS` (the CLI's ``ragkv bench`` and ``ragkv demo`` included), and the one
 dtype rule, :func:`resolve_dtype`, is shared by the engine and the bench, so every entry
-point loads a model the same way. Importing this module does not import torch.
+point loads a model the same way. Each field's :class:`Flag` (help text, option name,
+type, choices) is how ``ragkv serve`` and ``ragkv bench`` offer it
+(:mod:`ragkv.cache_engine.engine_flags`). Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,6 +35,51 @@ DEFAULT_KV_STORE_BYTES = 8 << 30  # disk tier, when kv_store_dir is set
 DEFAULT_KV_LOAD_TIMEOUT_S = 10.0
 MAX_KV_STORE_BYTES = 1 << 50  # a typo guard (1 PiB), not a real limit
 CUDA_KV_SHARE = 0.4  # of the free device memory, when no pool size is given
+
+
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Normalize None, a torch.dtype or a name ("torch.float16", "half") to a name in DTYPES."""
+    if dtype is None:
+        return "auto"
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How one :class:`EngineConfig` field appears on a command line (its ``metadata["flag"]``).
+
+    ``name``: the option (default ``--`` + the field's name with dashes); a bool field's
+    flag turns the setting off. ``help`` may use argparse's ``%(default)s``. ``type``
+    converts the text (None: kept as a string); ``choices`` are checked after conversion.
+    :mod:`ragkv.cache_engine.engine_flags` turns these into parser options.
+    """
+
+    help: str
+    name: str | None = None
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def _setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    type: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A field with its default and its command-line :class:`Flag`."""
+    return field(default=default, metadata={"flag": Flag(help, flag, type, choices)})
 
 
 @dataclass(slots=True)
@@ -57,25 +106,73 @@ class EngineConfig:
     request is parked behind the loader (``Engine.health().kv_loader`` shows it).
     """
 
-    model: str | Path | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_cache_tokens: int | None = None
-    kv_cache_bytes: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    hash_algo: str = "xxh3_128"
-    enable_prefix_caching: bool = True
-    schedule_policy: SchedulePolicy = "fcfs"
-    backend: str = "auto"
-    host_cache_bytes: int = 0
-    kv_store_dir: str | Path | None = None
-    kv_store_bytes: int = DEFAULT_KV_STORE_BYTES
-    kv_store_salted: bool = True
-    kv_tier_write_policy: str = "write-back"
-    kv_load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S
+    model: str | Path | None = _setting(
+        None, "local Hugging Face checkpoint directory (default: the embedded SmolLM2-135M)"
+    )
+    device: str = _setting("auto", "auto (the default: CUDA when available), cpu or cuda[:N]")
+    dtype: str = _setting(
+        "auto",
+        "auto: the engine's rule (bf16 on CUDA, float32 on CPU)",
+        type=_dtype_name,
+        choices=DTYPES,
+    )
+    kv_cache_tokens: int | None = _setting(None, "KV pool size in tokens", type=int)
+    kv_cache_bytes: int | None = _setting(
+        None,
+        "KV pool size in bytes (neither this nor --kv-cache-tokens: 1 GiB on CPU, "
+        f"{CUDA_KV_SHARE:.0%}% of the free memory on CUDA)",
+        type=int,
+    )
+    block_size: int = _setting(
+        DEFAULT_BLOCK_SIZE, "tokens per KV block (default %(default)s)", type=int
+    )
+    max_model_len: int | None = _setting(
+        None, "context cap below the model's own (default: the model's)", type=int
+    )
+    max_num_seqs: int = _setting(64, "requests run at once (default %(default)s)", type=int)
+    max_num_batched_tokens: int = _setting(
+        4096, "tokens computed per engine step (default %(default)s)", type=int
+    )
+    hash_algo: str = _setting("xxh3_128", "block hash (default %(default)s)", choices=HASH_ALGOS)
+    enable_prefix_caching: bool = _setting(
+        True, "recompute every prompt: no prefix cache", flag="--no-prefix-caching"
+    )
+    schedule_policy: SchedulePolicy = _setting(
+        "fcfs",
+        "fcfs, or longest-prefix: admit the waiting request with the longest cached prefix first",
+        choices=SCHEDULE_POLICIES,
+    )
+    backend: str = _setting(
+        "auto", "kernels: auto (Triton on CUDA), triton or torch", choices=BACKENDS
+    )
+    host_cache_bytes: int = _setting(
+        0, "KV tier in host memory for blocks evicted from the pool (default 0: off)", type=int
+    )
+    kv_store_dir: str | Path | None = _setting(
+        None, "KV tier on disk: a directory that keeps cached prefixes across restarts"
+    )
+    kv_store_bytes: int = _setting(
+        DEFAULT_KV_STORE_BYTES,
+        f"bytes the disk tier may hold (default {DEFAULT_KV_STORE_BYTES >> 30} GiB)",
+        type=int,
+    )
+    kv_store_salted: bool = _setting(
+        True,
+        "keep salted (per-tenant) requests' blocks in host memory only, never on disk",
+        flag="--no-kv-store-salted",
+    )
+    kv_tier_write_policy: str = _setting(
+        "write-back",
+        "write-back (default: blocks host memory evicts, and what it holds at shutdown, go to "
+        "disk) or write-through (blocks seen twice go to disk at once)",
+        choices=KV_TIER_WRITE_POLICIES,
+    )
+    kv_load_timeout_s: float = _setting(
+        DEFAULT_KV_LOAD_TIMEOUT_S,
+        "longest a request waits for its KV tier loads before computing instead "
+        f"(default {DEFAULT_KV_LOAD_TIMEOUT_S:g}; /health shows a stalled loader)",
+        type=float,
+    )
 
     @property
     def tiers_enabled(self) -> bool:
@@ -204,23 +301,6 @@ def default_kv_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_KV_SHARE)
     return DEFAULT_CPU_KV_BYTES
-
-
-_DTYPE_ALIASES = {
-    "float": "float32",
-    "half": "float16",
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-}
-
-
-def _dtype_name(dtype: Any) -> str:
-    """Normalize None, a torch.dtype or a name ("torch.float16", "half") to a name in DTYPES."""
-    if dtype is None:
-        return "auto"
-    name = str(dtype).removeprefix("torch.")
-    return _DTYPE_ALIASES.get(name, name)
 
 
 def _one_of(config: EngineConfig, name: str, allowed: tuple[str, ...]) -> None:

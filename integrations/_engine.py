@@ -12,6 +12,7 @@ from ragkv.assembler.template import chat_token_ids
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.cache_engine import Engine, SamplingParams, StreamDelta
 from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import InvalidInputError, RequestAbortedError
 
 _ENGINES: dict[tuple[Any, ...], Engine] = {}
@@ -84,7 +85,7 @@ def sampling_params(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
-    default_max_tokens: int = 256,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> SamplingParams:
     """Engine sampling parameters from framework-style optional fields (None: default; the
     temperature default is greedy), through the one OpenAI mapping."""

@@ -11,7 +11,9 @@ import argparse
 import json
 from typing import Any
 
-from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.engine_flags import add_engine_flags, engine_settings
+
+ENGINE_FLAGS = ("model", "dtype")  # the engine settings the demo takes from flags
 
 SHOW_CHARS = 60
 
@@ -23,8 +25,7 @@ def add_parser(subparsers: Any) -> None:
         description="Retrieve (BM25, 3 query variants), deduplicate, assemble, generate; "
         "then replay a small workload through the four benchmark lanes.",
     )
-    p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default=DEFAULTS.dtype)
+    add_engine_flags(p, ENGINE_FLAGS)
     p.add_argument("--requests", type=int, default=16, help="requests in the lane comparison")
     p.add_argument("--topics", type=int, default=5)
     p.add_argument("--show", type=int, default=3, help="questions shown with chunks and answers")
@@ -56,8 +57,7 @@ def _run(args: argparse.Namespace) -> int:
         SyntheticConfig(requests=requests, topics=args.topics, seed=args.seed)
     )
     config = BenchConfig(
-        model=args.model,
-        dtype=args.dtype,
+        **engine_settings(args, ENGINE_FLAGS),
         max_tokens=2 if args.quick else 8,
         concurrency=4,
         progress=not (args.no_progress or args.json),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv import batch
-from ragkv.assembler import Assembler, PromptPlan
+from ragkv.assembler import Assembler, AssemblerConfig, PromptPlan
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import DEFAULT_WINDOW
 from ragkv.cache_engine.chunk_reuse import BlendConfig
@@ -144,11 +144,13 @@ class Pipeline:
         self.deduplicator = deduplicator or Deduplicator()
         self.assembler = assembler or Assembler(
             engine.tokenizer,
-            block_size=engine.block_size,
-            order=order,
             registry=registry,
-            collapse_duplicates=False,
-            demote_invalidators=learn_system,
+            config=AssemblerConfig(
+                block_size=engine.block_size,
+                order=order,
+                collapse_duplicates=False,
+                demote_invalidators=learn_system,
+            ),
         )
         self.registry = self.assembler.registry
         self.dedup_enabled = dedup

@@ -13,7 +13,9 @@ from langchain_core.runnables.utils import AddableDict
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import BatchItem
 from ragkv.cache_engine.chunk_reuse import BlendConfig
+from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Deduplicator
+from ragkv.integrations._pipeline import pipeline_for
 from ragkv.integrations.langchain.chat_model import ChatRagKV
 from ragkv.integrations.langchain.documents import document_to_chunk
 from ragkv.pipeline import Answer, AnswerDelta, Pipeline
@@ -21,16 +23,23 @@ from ragkv.pipeline import Answer, AnswerDelta, Pipeline
 
 def create_rag_chain(
     retriever: BaseRetriever,
-    chat_model: ChatRagKV,
+    chat_model: ChatRagKV | Pipeline,
     *,
     system: SystemLike | None = None,
     deduplicator: Deduplicator | None = None,
-    order: str = "stable-first",
+    order: str | None = None,
     max_prompt_tokens: int | None = None,
     reuse: str | None = None,
     blend: BlendConfig | None = None,
 ) -> Runnable[str | dict[str, Any], dict[str, Any]]:
     """A runnable answering a question from ``retriever``'s documents with ``chat_model``.
+
+    ``chat_model`` is a :class:`ChatRagKV` (its engine, sampling fields and ``cache_salt``
+    are used, and the pipeline options below build the :class:`ragkv.Pipeline`), or a
+    ready :class:`ragkv.Pipeline`, which then decides everything: its own options, and its
+    ``default_params`` for sampling. Giving a pipeline and pipeline options
+    (``deduplicator``, ``order``, ``max_prompt_tokens``, ``reuse``, ``blend``) is a
+    :class:`~ragkv.errors.ConfigError`.
 
     The documents are never flattened into one prompt string: :class:`ragkv.Pipeline`
     dedups them and assembles the prompt from per-chunk token ids in a cache-friendly
@@ -54,8 +63,10 @@ def create_rag_chain(
     them; an input may carry ``"session"`` so that its turns run in order, each with the
     session's earlier answers as history when it has none.
     """
-    pipeline = Pipeline(
-        chat_model.get_engine(),
+    model = None if isinstance(chat_model, Pipeline) else chat_model
+    pipeline = pipeline_for(
+        chat_model if model is None else None,
+        lambda: model.get_engine(),
         deduplicator=deduplicator,
         order=order,
         max_prompt_tokens=max_prompt_tokens,
@@ -63,13 +74,16 @@ def create_rag_chain(
         blend=blend,
     )
 
+    def params() -> SamplingParams | None:  # None: the pipeline's default_params
+        return None if model is None else model.sampling_params()
+
     def kwargs(inputs: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
         question, history, call_system = _parse(inputs, system)
         return question, {
             "system": call_system,
             "history": history,
-            "params": chat_model.sampling_params(),
-            "cache_salt": chat_model.cache_salt,
+            "params": params(),
+            "cache_salt": None if model is None else model.cache_salt,
         }
 
     def transform(
@@ -136,7 +150,7 @@ def create_rag_chain(
             questions = [_parse(item, system)[0] for item in inputs]
             docs = retriever.batch(questions, config, return_exceptions=return_exceptions)
             return results(
-                _answer_items(pipeline, items(inputs, docs), chat_model, return_exceptions),
+                _answer_items(pipeline, items(inputs, docs), params(), return_exceptions),
                 docs,
                 return_exceptions,
             )
@@ -154,30 +168,36 @@ def create_rag_chain(
             questions = [_parse(item, system)[0] for item in inputs]
             docs = await retriever.abatch(questions, config, return_exceptions=return_exceptions)
             batch = items(inputs, docs)
-            answers = await _aanswer_items(pipeline, batch, chat_model, return_exceptions)
+            answers = await _aanswer_items(pipeline, batch, params(), return_exceptions)
             return results(answers, docs, return_exceptions)
 
     return RagChain(transform, atransform, name="ragkv_rag_chain")
 
 
 def _answer_items(
-    pipeline: Pipeline, items: list[Any], chat_model: ChatRagKV, return_exceptions: bool
+    pipeline: Pipeline,
+    items: list[Any],
+    params: SamplingParams | None,
+    return_exceptions: bool,
 ) -> list[Any]:
     """Answers of the batch items; an input whose retrieval failed keeps its exception."""
     valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
     answers = pipeline.answer_batch(
-        [items[i] for i in valid], params=chat_model.sampling_params(),
+        [items[i] for i in valid], params=params,
         return_exceptions=return_exceptions,
     )  # fmt: skip
     return _put_back(items, valid, answers)
 
 
 async def _aanswer_items(
-    pipeline: Pipeline, items: list[Any], chat_model: ChatRagKV, return_exceptions: bool
+    pipeline: Pipeline,
+    items: list[Any],
+    params: SamplingParams | None,
+    return_exceptions: bool,
 ) -> list[Any]:
     valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
     answers = await pipeline.aanswer_batch(
-        [items[i] for i in valid], params=chat_model.sampling_params(),
+        [items[i] for i in valid], params=params,
         return_exceptions=return_exceptions,
     )  # fmt: skip
     return _put_back(items, valid, answers)

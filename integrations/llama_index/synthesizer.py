@@ -20,6 +20,7 @@ from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.dedup import Chunk, Deduplicator
 from ragkv.dedup.merge import DUPLICATES
 from ragkv.integrations._documents import make_chunk
+from ragkv.integrations._pipeline import pipeline_for
 from ragkv.pipeline import Answer, Pipeline
 
 
@@ -48,6 +49,11 @@ class RagKVSynthesizer(BaseSynthesizer):
     ``reuse="blend"`` (with ``blend``) opts into approximate chunk reuse, as
     :class:`ragkv.Pipeline` does (``usage`` then carries ``reused_nonprefix_tokens``).
 
+    ``pipeline``: a ready :class:`ragkv.Pipeline` to answer with, instead of one built from
+    the pipeline options here (``deduplicator``, ``order``, ``max_prompt_tokens``,
+    ``reuse``, ``blend``; giving both is a :class:`~ragkv.errors.ConfigError`). ``llm``
+    still supplies the sampling fields and ``cache_salt``.
+
     Use: ``index.as_query_engine(llm=llm, response_synthesizer=RagKVSynthesizer(llm))``.
     """
 
@@ -57,18 +63,20 @@ class RagKVSynthesizer(BaseSynthesizer):
         *,
         system: SystemLike | None = None,
         deduplicator: Deduplicator | None = None,
-        order: str = "stable-first",
+        order: str | None = None,
         max_prompt_tokens: int | None = None,
         reuse: str | None = None,
         blend: BlendConfig | None = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = MetadataMode.LLM,
+        pipeline: Pipeline | None = None,
     ) -> None:
         super().__init__(llm=llm, streaming=streaming)
         self.system = system
         self.metadata_mode = metadata_mode
-        self.pipeline = Pipeline(
-            llm.get_engine(),
+        self.pipeline = pipeline_for(
+            pipeline,
+            llm.get_engine,
             deduplicator=deduplicator,
             order=order,
             max_prompt_tokens=max_prompt_tokens,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ragkv.bench.lanes import ALL_LANES, BLEND_LANE, LANES, TIERS_LANE
-from ragkv.cache_engine.config import DEFAULTS, KV_TIER_WRITE_POLICIES
+from ragkv.cache_engine.engine_flags import add_engine_flags, engine_settings
 
 # The default run fits ~10 minutes on a slow 2-core CPU; --full is the workload at full size.
 # Topics scale with requests, so each topic recurs about as often in both.
@@ -20,6 +20,10 @@ FULL_REQUESTS, FULL_TOPICS = 200, 50
 # --quick: a first look in under 2 minutes on 2 cores; each topic still recurs about 3 times.
 QUICK_REQUESTS, QUICK_TOPICS, QUICK_MAX_TOKENS = 10, 3, 2
 BENCH_MAX_TOKENS = 8
+# The EngineConfig settings the bench takes from the command line (EngineConfig declares
+# their flags); the tier settings only shape the ragkv+tiers lane.
+ENGINE_FLAGS = ("model", "device", "dtype", "kv_cache_tokens", "block_size")
+TIER_FLAGS = ("host_cache_bytes", "kv_store_dir", "kv_store_bytes", "kv_tier_write_policy")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,18 +48,10 @@ def add_parser(subparsers: Any) -> None:
         "cache and pool, one request at a time); seconds instead of hours, plus the "
         "position-independent bound",
     )
-    p.add_argument("--model", help="local Hugging Face checkpoint (default: embedded SmolLM2-135M)")
-    p.add_argument(
-        "--device", default=DEFAULTS.device, help="auto, cpu or cuda (default %(default)s)"
-    )
-    p.add_argument(
-        "--dtype",
-        default=DEFAULTS.dtype,
-        help="auto (bf16 on CUDA, float32 on CPU: the engine's rule), float32, bfloat16, float16",
-    )
-    p.add_argument("--kv-cache-tokens", type=int, help="KV pool (default: half the unique tokens)")
-    p.add_argument(
-        "--block-size", type=int, default=DEFAULTS.block_size, help="KV block (default %(default)s)"
+    add_engine_flags(
+        p,
+        ENGINE_FLAGS,
+        overrides={"kv_cache_tokens": {"help": "KV pool (default: half the unique tokens)"}},
     )
     p.add_argument(
         "--max-tokens",
@@ -150,25 +146,19 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--limit", type=int, help="requests to replay at most")
     t.add_argument("--scale", type=float, default=1.0, help="segment lengths x F (0 < F <= 1)")
     k = p.add_argument_group(f"KV tiers (the {TIERS_LANE} lane; a tier flag adds the lane)")
-    k.add_argument(
-        "--host-cache-bytes",
-        type=int,
-        help="host-memory tier (default: room for every distinct block of the workload)",
-    )
-    k.add_argument("--kv-store-dir", help="disk tier directory (default: none; with --restart a "
-                   "temporary one)")  # fmt: skip
-    k.add_argument(
-        "--kv-store-bytes",
-        type=int,
-        default=DEFAULTS.kv_store_bytes,
-        help=f"disk tier bound (default {DEFAULTS.kv_store_bytes >> 30} GiB)",
-    )
-    k.add_argument(
-        "--kv-tier-write-policy",
-        choices=KV_TIER_WRITE_POLICIES,
-        default=DEFAULTS.kv_tier_write_policy,
-        help="host evictions go to disk (write-back) or blocks seen twice go at once",
-    )
+    add_engine_flags(
+        k,
+        TIER_FLAGS,
+        overrides={
+            "host_cache_bytes": {  # None (not the engine's 0): sized to the workload
+                "default": None,
+                "help": "host-memory tier (default: room for every distinct block of the "
+                "workload)",
+            },
+            "kv_store_dir": {"help": "disk tier directory (default: none; with --restart a "
+                             "temporary one)"},
+        },
+    )  # fmt: skip
     k.add_argument(
         "--restart",
         action="store_true",
@@ -275,11 +265,8 @@ def _run(args: argparse.Namespace) -> int:
         args,
         lanes=bench_lanes(args),
         blend_k=args.blend_k,
-        host_cache_bytes=args.host_cache_bytes,
-        kv_store_dir=args.kv_store_dir,
-        kv_store_bytes=args.kv_store_bytes,
-        kv_tier_write_policy=args.kv_tier_write_policy,
         restart=args.restart,
+        **engine_settings(args, TIER_FLAGS),
     )
     report, results = run_bench(workload, config, on_estimate=_print_estimate(args, workload))
     _print_report(args, report, format_table)
@@ -317,11 +304,7 @@ def _bench_config(args: argparse.Namespace, **fields: Any) -> Any:
     from ragkv.bench.runner import BenchConfig
 
     return BenchConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        block_size=args.block_size,
+        **engine_settings(args, ENGINE_FLAGS),
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         order=args.order,

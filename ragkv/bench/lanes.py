@@ -134,20 +134,21 @@ class LaneResult:
 
 def build_pipeline(spec: LaneSpec, engine: Any) -> Any:
     """The lane's pipeline; only the dedup stage removes duplicates (lanes without it keep them)."""
-    from ragkv.assembler import Assembler
+    from ragkv.assembler import Assembler, AssemblerConfig
     from ragkv.pipeline import Pipeline
 
-    assembler = Assembler(
-        engine.tokenizer,
+    config = AssemblerConfig(
         block_size=engine.block_size,
         order=spec.order,
         demote_invalidators=spec.demote_invalidators,
-        # Baselines model an app without ragkv's assembler: no invalidator warning either.
-        invalidator_after=3 if spec.demote_invalidators else 1 << 30,
         collapse_duplicates=False,
         # The baselines send the app's own order; only ragkv's lanes compare against it.
         never_worse=spec.demote_invalidators,
     )
+    if not spec.demote_invalidators:
+        # Baselines model an app without ragkv's assembler: no invalidator warning either.
+        config = config.replace(invalidator_after=1 << 30)
+    assembler = Assembler(engine.tokenizer, config=config)
     # Every lane sends every retrieved chunk: a budget would drop different chunks per lane.
     return Pipeline(engine, assembler=assembler, dedup=spec.dedup, fit_context=False)
 

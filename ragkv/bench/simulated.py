@@ -22,6 +22,7 @@ from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.defaults import DEFAULT_BLOCK_SIZE
 from ragkv.errors import ConfigError, PromptTooLongError
 
 _FILLER = " answer"
@@ -52,7 +53,7 @@ class SimulatedEngine:
         tokenizer: Any,
         kv_cache_tokens: int,
         *,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         model_name: str = "model-free",

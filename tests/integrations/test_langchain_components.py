@@ -266,3 +266,19 @@ def test_rag_chain_batch_answers_every_input_as_invoke_does(engine, passages):
     again = asyncio.run(chain.abatch(inputs))
     assert [out["answer"] for out in again] == [out["answer"] for out in batch]
     assert chain.batch([]) == []
+
+
+def test_rag_chain_takes_a_ready_pipeline_and_refuses_options_next_to_it(engine, passages):
+    from ragkv import Pipeline, SamplingParams
+    from ragkv.errors import ConfigError
+
+    pipeline = Pipeline(engine, order="retrieval", default_params=SamplingParams(max_tokens=2))
+    chain = create_rag_chain(ListRetriever(docs=docs_with_duplicates(passages)), pipeline)
+    result = chain.invoke("What is this about?")
+    assert result["result"].usage.completion_tokens <= 2  # the pipeline's default_params
+    assert result["plan"].stats.order == "retrieval"
+    assert len(result["plan"].spans("chunk")) == 3
+    [batched] = chain.batch(["What is this about?"])
+    assert batched["answer"] == result["answer"]
+    with pytest.raises(ConfigError, match="order"):
+        create_rag_chain(ListRetriever(docs=[]), pipeline, order="stable-first")

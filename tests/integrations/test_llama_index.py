@@ -254,3 +254,19 @@ def test_synthesize_batch_answers_each_query_as_synthesize_does(engine, passages
     ]  # the same two nodes, one order
     again = asyncio.run(synth.asynthesize_batch(queries))
     assert [r.response for r in again] == [r.response for r in batch]
+
+
+def test_synthesizer_takes_a_ready_pipeline_and_refuses_options_next_to_it(engine, passages):
+    from ragkv import Pipeline
+    from ragkv.errors import ConfigError
+
+    llm = RagKVLLM(engine=engine, max_tokens=2)
+    pipeline = Pipeline(engine, order="retrieval")
+    synth = RagKVSynthesizer(llm, pipeline=pipeline)
+    assert synth.pipeline is pipeline
+    nodes = [NodeWithScore(node=TextNode(text=p), score=1.0) for p in passages]
+    response = synth.synthesize("Which?", nodes)
+    assert response.metadata["plan"].stats.order == "retrieval"
+    assert response.metadata["usage"]["completion_tokens"] <= 2  # the llm's sampling fields
+    with pytest.raises(ConfigError, match="max_prompt_tokens"):
+        RagKVSynthesizer(llm, pipeline=pipeline, max_prompt_tokens=64)

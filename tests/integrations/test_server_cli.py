@@ -128,3 +128,13 @@ def test_sigterm_closes_the_engine_so_the_kv_store_is_written_back(tmp_path):
         if server.poll() is None:
             server.kill()
     assert list(store.rglob("*.kv")), "SIGTERM lost the host tier's blocks"
+
+
+def test_engine_flags_build_the_engine_config_without_a_hand_mapping():
+    from ragkv.cache_engine.engine_flags import engine_config_from_args
+
+    args = parse("--block-size", "32", "--kv-cache-tokens", "96", "--no-kv-store-salted")
+    config = engine_config_from_args(args)
+    assert (config.block_size, config.kv_cache_tokens, config.kv_store_salted) == (32, 96, False)
+    for name in server_cli.NOT_SERVED:  # not offered (yet): the engine's default applies
+        assert not hasattr(args, name)

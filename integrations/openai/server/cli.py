@@ -1,7 +1,8 @@
 """``ragkv serve``: load a model and serve it over an OpenAI-compatible HTTP API.
 
-The top of the server: flags take their defaults from :mod:`.settings` (the server's) and
-:mod:`~ragkv.integrations.openai.protocol` (the request limits), and :func:`run` builds the
+The top of the server: flags take their defaults from :mod:`.settings` (the server's),
+:mod:`~ragkv.integrations.openai.protocol` (the request limits) and the engine's
+``EngineConfig`` (:mod:`~ragkv.cache_engine.engine_flags`), and :func:`run` builds the
 app; no server module imports this one (only ``ragkv.cli``, which dispatches ``ragkv
 serve``). Heavy imports (torch, fastapi, uvicorn) happen inside :func:`run`, so ``ragkv
 --help`` stays fast and works without the ``server`` extra.
@@ -16,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from ragkv.cache_engine.config import DEFAULTS, DTYPES, KV_TIER_WRITE_POLICIES
+from ragkv.cache_engine.engine_flags import add_engine_flags, engine_config_from_args
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import ConfigError, MissingDependencyError
 from ragkv.integrations.openai.protocol import (
@@ -40,6 +41,9 @@ from ragkv.integrations.openai.server.settings import (
 
 logger = logging.getLogger(__name__)
 
+# EngineConfig fields without a `ragkv serve` flag (yet): the engine's defaults apply.
+NOT_SERVED = ("hash_algo", "enable_prefix_caching", "schedule_policy", "backend")
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``ragkv serve``."""
@@ -53,7 +57,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "--api-keys (several) before exposing it."
         ),
     )
-    parser.add_argument("--model", default=None, help="local HF checkpoint dir (default: embedded)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
@@ -75,23 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="comma-separated Host names to answer (any port); '*' for any "
         "(default: the bind address, localhost, 127.0.0.1, ::1)",
     )
-    # Engine flags take their defaults from the one EngineConfig (as `ragkv bench` does).
-    parser.add_argument("--device", default=DEFAULTS.device)
-    parser.add_argument(
-        "--dtype",
-        default=DEFAULTS.dtype,
-        choices=DTYPES,
-        help="auto: the engine's rule (bf16 on CUDA, float32 on CPU)",
-    )
-    parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULTS.kv_cache_tokens)
-    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULTS.kv_cache_bytes)
-    parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
-    parser.add_argument("--max-model-len", type=int, default=DEFAULTS.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens
-    )
-    add_tier_flags(parser)
+    # Every engine setting but those ragkv serve does not offer yet, declared once, with its
+    # help and default, on EngineConfig's fields.
+    add_engine_flags(parser.add_argument_group("engine"), exclude=NOT_SERVED)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument(
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
@@ -170,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise MissingDependencyError("uvicorn", "server") from exc
     # Imported before the model loads, so a missing fastapi fails in a second, not a minute.
-    from ragkv.cache_engine import Engine, EngineConfig
+    from ragkv.cache_engine import Engine
     from ragkv.integrations.openai.server.app import create_app
 
     api_keys = None
@@ -187,23 +176,7 @@ def run(args: argparse.Namespace) -> int:
         max_text_bytes=args.max_text_bytes,
         max_messages=args.max_messages,
     )
-    config = EngineConfig(  # validated here, before the model loads
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_bytes=args.kv_cache_bytes,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        host_cache_bytes=args.host_cache_bytes,
-        kv_store_dir=args.kv_store_dir,
-        kv_store_bytes=args.kv_store_bytes,
-        kv_tier_write_policy=args.kv_tier_write_policy,
-        kv_store_salted=args.kv_store_salted,
-        kv_load_timeout_s=args.kv_load_timeout_s,
-    )
+    config = engine_config_from_args(args)  # validated here, before the model loads
     engine = Engine(config)
     with engine:
         app = create_app(
@@ -253,47 +226,6 @@ def show_access_log() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         access.addHandler(handler)
     access.setLevel(logging.INFO)
-
-
-def add_tier_flags(parser: argparse.ArgumentParser) -> None:
-    """The KV tier flags of ``ragkv serve`` (``ragkv bench`` has its own, per lane)."""
-    parser.add_argument(
-        "--host-cache-bytes",
-        type=int,
-        default=DEFAULTS.host_cache_bytes,
-        help="KV tier in host memory for blocks evicted from the pool (default 0: off)",
-    )
-    parser.add_argument(
-        "--kv-store-dir",
-        default=DEFAULTS.kv_store_dir,
-        help="KV tier on disk: a directory that keeps cached prefixes across restarts",
-    )
-    parser.add_argument(
-        "--kv-store-bytes",
-        type=int,
-        default=DEFAULTS.kv_store_bytes,
-        help=f"bytes the disk tier may hold (default {DEFAULTS.kv_store_bytes >> 30} GiB)",
-    )
-    parser.add_argument(
-        "--kv-tier-write-policy",
-        choices=KV_TIER_WRITE_POLICIES,
-        default=DEFAULTS.kv_tier_write_policy,
-        help="write-back (default: blocks host memory evicts, and what it holds at shutdown, "
-        "go to disk) or write-through (blocks seen twice go to disk at once)",
-    )
-    parser.add_argument(
-        "--no-kv-store-salted",
-        dest="kv_store_salted",
-        action="store_false",
-        help="keep salted (per-tenant) requests' blocks in host memory only, never on disk",
-    )
-    parser.add_argument(
-        "--kv-load-timeout-s",
-        type=float,
-        default=DEFAULTS.kv_load_timeout_s,
-        help="longest a request waits for its KV tier loads before computing instead "
-        f"(default {DEFAULTS.kv_load_timeout_s:g}; /health shows a stalled loader)",
-    )
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
