@@ -439,59 +439,46 @@ def _system_key(system: SystemLike | None) -> str:
 _HEAD_CHARS = 64  # about one 16-token block
 
 
-async def astream(
-    pipeline: Pipeline,
-    items: Iterable[Any],
-    params: SamplingParams,
-    *,
-    window: int,
-    max_in_flight: int,
-    progress: bool,
-    return_exceptions: bool,
-) -> AsyncIterator[Any]:
-    """Answers of ``items`` in the caller's order, a window at a time."""
-    _check_limit(max_in_flight)
+@dataclass(frozen=True, slots=True)
+class BatchRun:
+    """How a batch runs: what :meth:`ragkv.Pipeline.stream_batch` was asked for."""
+
+    params: SamplingParams
+    window: int = DEFAULT_WINDOW
+    max_in_flight: int = 16
+    progress: bool = False
+    return_exceptions: bool = False
+
+
+def _window_jobs(pipeline: Pipeline, items: Iterable[Any], run: BatchRun) -> Iterator[Any]:
+    """One coroutine per window (answers in the window's order), made when the previous
+    window is done: the sync and async forms run them on their own loops or the caller's."""
+    _check_limit(run.max_in_flight)
     turns: dict[Hashable, list[dict[str, str]]] = {}
-    bar = _progress(items, progress)
+    bar = _progress(items, run.progress)
     try:
-        for part in windows(items, window):
-            results = await answer_window(
-                pipeline, part, params, limit=max_in_flight, fail_fast=not return_exceptions,
-                turns=turns, bar=bar,
+        for part in windows(items, run.window):
+            yield answer_window(
+                pipeline, part, run.params, limit=run.max_in_flight,
+                fail_fast=not run.return_exceptions, turns=turns, bar=bar,
             )  # fmt: skip
-            for result in results:
-                yield result
     finally:
         if bar is not None:
             bar.close()
 
 
-def stream(
-    pipeline: Pipeline,
-    items: Iterable[Any],
-    params: SamplingParams,
-    *,
-    window: int,
-    max_in_flight: int,
-    progress: bool,
-    return_exceptions: bool,
-) -> Iterator[Any]:
+async def astream(pipeline: Pipeline, items: Iterable[Any], run: BatchRun) -> AsyncIterator[Any]:
+    """Answers of ``items`` in the caller's order, a window at a time."""
+    for job in _window_jobs(pipeline, items, run):
+        for result in await job:
+            yield result
+
+
+def stream(pipeline: Pipeline, items: Iterable[Any], run: BatchRun) -> Iterator[Any]:
     """The blocking form of :func:`astream`: each window runs on an event loop of its own
     (on a worker thread when the caller already runs one, as Jupyter does)."""
-    _check_limit(max_in_flight)
-    turns: dict[Hashable, list[dict[str, str]]] = {}
-    bar = _progress(items, progress)
-    try:
-        for part in windows(items, window):
-            yield from run_coroutine(
-                answer_window(
-                    pipeline, part, params, limit=max_in_flight,
-                    fail_fast=not return_exceptions, turns=turns, bar=bar,
-                )
-            )  # fmt: skip
-    finally:
-        if bar is not None:
-            bar.close()
+    for job in _window_jobs(pipeline, items, run):
+        yield from run_coroutine(job)
 
 
 def _check_limit(max_in_flight: Any) -> None:

@@ -332,33 +332,19 @@ class Pipeline:
 
     # -- batch jobs (ragkv/batch.py) --------------------------------------------------------
 
-    def answer_batch(
-        self,
-        items: Iterable[Any],
-        *,
-        params: SamplingParams | None = None,
-        window: int = DEFAULT_WINDOW,
-        max_in_flight: int | None = None,
-        progress: bool = False,
-        return_exceptions: bool = False,
-        **sampling: Any,
-    ) -> list[Any]:
+    def answer_batch(self, items: Iterable[Any], **options: Any) -> list[Any]:
         """Answer a batch known in advance, scheduled for reuse; answers in the caller's order.
 
         ``items``: :class:`~ragkv.batch.BatchItem`, mappings of its fields (``question``,
-        ``chunks``, ``system``, ``history``, ``session``, ``cache_salt``) or questions. Each
-        ``window`` of items is planned together: their shared chunks get one order and the
-        items run so that those sharing a prefix run together (see :mod:`ragkv.batch`),
-        ``max_in_flight`` at once (default: the engine's ``max_num_seqs``, else 16). A failed
-        item raises (the rest are cancelled) unless ``return_exceptions``: its exception is
-        then its result. For batches too large to keep every answer, :meth:`stream_batch`.
+        ``chunks``, ``system``, ``history``, ``session``, ``cache_salt``) or questions.
+        ``options`` are :meth:`stream_batch`'s (``params``, ``window``, ``max_in_flight``,
+        ``progress``, ``return_exceptions`` and sampling keywords such as ``max_tokens``).
+        Each window of items is planned together: their shared chunks get one order and the
+        items run so that those sharing a prefix run together (see :mod:`ragkv.batch`). A
+        failed item raises (the rest are cancelled) unless ``return_exceptions``: its
+        exception is then its result. For batches too large to keep, :meth:`stream_batch`.
         """
-        return list(
-            self.stream_batch(
-                items, params=params, window=window, max_in_flight=max_in_flight,
-                progress=progress, return_exceptions=return_exceptions, **sampling,
-            )
-        )  # fmt: skip
+        return list(self.stream_batch(items, **options))
 
     def stream_batch(
         self,
@@ -372,34 +358,14 @@ class Pipeline:
         **sampling: Any,
     ) -> Iterator[Any]:
         """:meth:`answer_batch`, yielding answers in the caller's order a window at a time
-        (memory: one window of items, and the prompts in flight)."""
-        params = self._params(params, sampling)
-        return batch.stream(
-            self, items, params, window=window, max_in_flight=self._in_flight(max_in_flight),
-            progress=progress, return_exceptions=return_exceptions,
-        )  # fmt: skip
+        (memory: one window of items, and the prompts in flight). ``max_in_flight``: requests
+        in the engine at once (default: the engine's ``max_num_seqs``, else 16)."""
+        run = self._batch_run(params, window, max_in_flight, progress, return_exceptions, sampling)
+        return batch.stream(self, items, run)
 
-    async def aanswer_batch(
-        self,
-        items: Iterable[Any],
-        *,
-        params: SamplingParams | None = None,
-        window: int = DEFAULT_WINDOW,
-        max_in_flight: int | None = None,
-        progress: bool = False,
-        return_exceptions: bool = False,
-        **sampling: Any,
-    ) -> list[Any]:
+    async def aanswer_batch(self, items: Iterable[Any], **options: Any) -> list[Any]:
         """Asyncio form of :meth:`answer_batch`."""
-        params = self._params(params, sampling)
-        return [
-            answer
-            async for answer in batch.astream(
-                self, items, params, window=window,
-                max_in_flight=self._in_flight(max_in_flight), progress=progress,
-                return_exceptions=return_exceptions,
-            )
-        ]  # fmt: skip
+        return [answer async for answer in self.astream_batch(items, **options)]
 
     def astream_batch(
         self,
@@ -413,10 +379,22 @@ class Pipeline:
         **sampling: Any,
     ) -> AsyncIterator[Any]:
         """Asyncio form of :meth:`stream_batch`."""
-        params = self._params(params, sampling)
-        return batch.astream(
-            self, items, params, window=window, max_in_flight=self._in_flight(max_in_flight),
-            progress=progress, return_exceptions=return_exceptions,
+        run = self._batch_run(params, window, max_in_flight, progress, return_exceptions, sampling)
+        return batch.astream(self, items, run)
+
+    def _batch_run(
+        self,
+        params: SamplingParams | None,
+        window: int,
+        max_in_flight: int | None,
+        progress: bool,
+        return_exceptions: bool,
+        sampling: dict[str, Any],
+    ) -> batch.BatchRun:
+        """The batch's settings, checked in the caller's thread."""
+        return batch.BatchRun(
+            self._params(params, sampling), window, self._in_flight(max_in_flight), progress,
+            return_exceptions,
         )  # fmt: skip
 
     def _in_flight(self, max_in_flight: int | None) -> int:

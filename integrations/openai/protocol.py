@@ -80,6 +80,19 @@ class APIError(Exception):
         }
 
 
+def rate_limited(tenant: bool, what: str) -> APIError:
+    """A 429 with ``Retry-After``: the tenant's share (``tenant``) or the server's of
+    ``what`` is used up."""
+    which = "this API key's" if tenant else "the server's"
+    return APIError(
+        429,
+        f"{which} limit of {what} is reached; retry shortly",
+        type="rate_limit_error",
+        code="too_many_requests",
+        headers={"Retry-After": "1"},
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """Per-request size limits, checked while parsing, before any tokenization or queueing.

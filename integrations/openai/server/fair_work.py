@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ragkv.integrations.openai.protocol import APIError
+from ragkv.integrations.openai.protocol import rate_limited
 
 T = TypeVar("T")
 
@@ -78,14 +78,7 @@ class FairWorkers:
         """``fn(*args)`` on a worker thread, when ``tenant``'s turn comes; its result or error."""
         mine = self._pending.get(tenant, 0)
         if mine >= self.max_per_tenant or sum(self._pending.values()) >= self.max_total:
-            which = "this API key's" if mine >= self.max_per_tenant else "the server's"
-            raise APIError(
-                429,
-                f"{which} limit of requests being prepared is reached; retry shortly",
-                type="rate_limit_error",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
+            raise rate_limited(mine >= self.max_per_tenant, "requests being prepared")
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop.create_future())
         self._pending[tenant] = mine + 1

@@ -8,7 +8,7 @@ from typing import Any
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
-from ragkv.integrations.openai.protocol import APIError, RequestLimits
+from ragkv.integrations.openai.protocol import RequestLimits, rate_limited
 from ragkv.integrations.openai.server.fair_work import FairWorkers
 from ragkv.integrations.openai.server.metrics import ServerMetrics
 
@@ -43,14 +43,7 @@ class Served:
         total = sum(self.in_flight.values())
         mine = self.in_flight.get(tenant, 0)
         if mine >= self.max_requests_per_tenant or total >= self.max_requests:
-            which = "this API key's" if mine >= self.max_requests_per_tenant else "the server's"
-            raise APIError(
-                429,
-                f"{which} limit of requests in flight is reached; retry shortly",
-                type="rate_limit_error",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
+            raise rate_limited(mine >= self.max_requests_per_tenant, "requests in flight")
         self.in_flight[tenant] = mine + 1
 
     def release(self, tenant: str) -> None:
