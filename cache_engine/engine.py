@@ -5,14 +5,13 @@ and converts every request in the caller's thread (token ids, the salt's digest,
 matcher), so a bad value fails its caller and is never queued (Invariant 9), and hands it
 to the :class:`~ragkv.cache_engine.engine_core.EngineCore`, whose thread steps the model.
 ``generate``, ``stream``, ``agenerate`` and ``astream`` (sync or asyncio, from any number
-of threads) share one submission path and differ only in how they wait for events.
+of threads; :mod:`ragkv.cache_engine.engine_calls`) share one submission path, ``_start``,
+and differ only in how they wait for events.
 """
 
 from __future__ import annotations
 
-import asyncio
-import queue
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +19,23 @@ from ragkv.cache_engine import offload
 from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.config import EngineConfig
+from ragkv.cache_engine.engine_calls import EngineCalls
 from ragkv.cache_engine.engine_core import EngineCore
 from ragkv.cache_engine.input_processor import (
     ChunkSpans,
     InputProcessor,
     Prompt,
-    pair_prompts,
-    per_prompt_spans,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
-from ragkv.cache_engine.outputs import EngineHealth, EngineStats, Output, StreamDelta
-from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
+from ragkv.cache_engine.outputs import EngineHealth, EngineStats
+from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.cache_engine.scheduler import Scheduler
-from ragkv.errors import RagkvError
 
 
-class Engine:
+class Engine(EngineCalls):
     """Paged-KV inference engine with automatic prefix caching.
 
     Build with ``Engine(EngineConfig(...))``, :meth:`from_config` or :meth:`from_pretrained`.
@@ -112,136 +109,6 @@ class Engine:
     def kv_cache_tokens(self) -> int:
         """Tokens the KV pool holds in all (prompt + output of every request in flight)."""
         return self.runner.num_blocks * self.block_size
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        cache_salt: str | None = None,
-        return_logits: bool = False,
-        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
-        reuse: BlendConfig | None = None,
-        **sampling: Any,
-    ) -> Output | list[Output]:
-        """Generate for one prompt (returns an :class:`Output`) or many (a list, in order).
-
-        Prompts are token-id lists or strings (tokenized with the model's tokenizer).
-        ``params`` is a :class:`SamplingParams` (default: greedy, 256 new tokens); keyword
-        settings (``max_tokens=64``, ``temperature=0.7``, ...) change it, for every prompt.
-
-        ``chunk_spans``: the ``(start, end)`` token offsets of the prompt's retrieved chunks
-        (``[(s.start, s.end) for s in plan.spans("chunk")]``; for many prompts, one list or
-        None each). Once such a prompt is computed exactly, its chunks' K/V can serve
-        requests that opt in with ``reuse=BlendConfig(...)``: those reuse a chunk found
-        anywhere, at another position, re-rotated and partly recomputed. Their answers are
-        approximate (``Output.approximate``, ``usage.reused_nonprefix_tokens``).
-        """
-        single, batch, params_list = pair_prompts(prompts, params)
-        if sampling:
-            params_list = [resolve_params(p, sampling) for p in params_list]
-        spans = per_prompt_spans(chunk_spans, single, len(batch))
-        events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        ids = self._start(batch, params_list, cache_salt, return_logits, events.put, spans, reuse)
-        results: dict[str, Output] = {}
-        try:
-            while len(results) < len(ids):
-                delta = _delta(events.get())
-                if delta.output is not None:
-                    results[delta.request_id] = delta.output
-        except BaseException:
-            for request_id in ids:
-                self.abort(request_id)
-            raise
-        outputs = [results[request_id] for request_id in ids]
-        return outputs[0] if single else outputs
-
-    def stream(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        chunk_spans: ChunkSpans | None = None,
-        reuse: BlendConfig | None = None,
-        **sampling: Any,
-    ) -> Iterator[StreamDelta]:
-        """Yield text deltas as tokens are generated; the last delta carries the ``output``.
-
-        ``params``, keyword settings, ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
-        events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            events.put,
-            [chunk_spans],
-            reuse,
-        )
-        done = False
-        try:
-            while not done:
-                delta = _delta(events.get())
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not done:
-                self.abort(request_id)
-
-    async def agenerate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        chunk_spans: ChunkSpans | None = None,
-        reuse: BlendConfig | None = None,
-        **sampling: Any,
-    ) -> Output:
-        """Asyncio form of :meth:`generate` for one prompt; cancellation aborts the request."""
-        async for delta in self.astream(
-            prompt, params, cache_salt=cache_salt, chunk_spans=chunk_spans, reuse=reuse, **sampling
-        ):
-            if delta.output is not None:
-                return delta.output
-        raise RagkvError("stream ended without a final output")  # pragma: no cover
-
-    async def astream(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        chunk_spans: ChunkSpans | None = None,
-        reuse: BlendConfig | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[StreamDelta]:
-        """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-
-        def sink(event: StreamDelta | BaseException) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            sink,
-            [chunk_spans],
-            reuse,
-        )
-        done = False
-        try:
-            while not done:
-                delta = _delta(await events.get())
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not done:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its caller receives ``finish_reason="abort"``."""
@@ -333,9 +200,3 @@ class Engine:
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)
-
-
-def _delta(event: StreamDelta | BaseException) -> StreamDelta:
-    if isinstance(event, BaseException):
-        raise event
-    return event

@@ -163,7 +163,7 @@ def test_the_graph_sees_the_whole_package(graphs):
     import_time, dependency = graphs
     assert "ragkv.integrations.openai.server.cli" in dependency
     assert "ragkv.cache_engine.block_pool" in import_time["ragkv.cache_engine"]
-    assert "ragkv.errors" in import_time["ragkv.cache_engine.engine"]
+    assert "ragkv.errors" in import_time["ragkv.cache_engine.engine_calls"]
 
 
 def test_the_server_cli_is_the_top_of_the_server(graphs):
