@@ -22,7 +22,7 @@ QUICK_REQUESTS, QUICK_TOPICS, QUICK_MAX_TOKENS = 10, 3, 2
 BENCH_MAX_TOKENS = 8
 # The EngineConfig settings the bench takes from the command line (EngineConfig declares
 # their flags); the tier settings only shape the ragkv+tiers lane.
-ENGINE_FLAGS = ("model", "device", "dtype", "kv_cache_tokens", "block_size")
+ENGINE_FLAGS = ("model", "device", "dtype", "kv_cache_tokens", "block_size", "schedule_policy")
 TIER_FLAGS = ("host_cache_bytes", "kv_store_dir", "kv_store_bytes", "kv_tier_write_policy")
 
 

@@ -39,6 +39,7 @@ class BenchConfig:
     dtype: str = DEFAULTS.dtype  # the engine's rule: see cache_engine.config.resolve_dtype
     kv_cache_tokens: int | None = None  # None: half the workload's unique tokens (see below)
     block_size: int = DEFAULTS.block_size
+    schedule_policy: str = DEFAULTS.schedule_policy  # the waiting queue's admission order
     max_tokens: int = 8
     concurrency: int = 8
     order: str = "cache-aware"
@@ -224,6 +225,7 @@ def run_bench(
         kv_cache_tokens=kv_tokens,
         block_size=config.block_size,
         max_num_seqs=max(config.concurrency, 1),
+        schedule_policy=config.schedule_policy,
     )
 
     store = _store_dir(config, names)
@@ -315,6 +317,7 @@ def run_bench(
             "max_tokens": config.max_tokens,
             "concurrency": config.concurrency,
             "order": config.order,
+            "schedule_policy": config.schedule_policy,
             **{k: v for k, v in tier_settings.items() if k != "kv_store_dir"},
         }
     )
