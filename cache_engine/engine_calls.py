@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.input_processor import ChunkSpans, Prompt, pair_prompts, per_prompt_spans
-from ragkv.cache_engine.output_processor import Sink
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import RagkvError
@@ -25,20 +24,10 @@ from ragkv.errors import RagkvError
 class EngineCalls:
     """``generate``, ``stream``, ``agenerate`` and ``astream`` over ``_start`` and ``abort``."""
 
-    def _start(
-        self,
-        prompts: Sequence[Prompt],
-        params: Sequence[SamplingParams],
-        cache_salt: str | None,
-        return_logits: bool,
-        sink: Sink,
-        chunk_spans: Sequence[ChunkSpans | None] | None = None,
-        reuse: BlendConfig | None = None,
-    ) -> list[str]:
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+    # Provided by the engine: the one submission path (validate, convert, queue; the ids)
+    # and abort.
+    _start: Callable[..., list[str]]
+    abort: Callable[[str], None]
 
     def generate(
         self,
