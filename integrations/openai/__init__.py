@@ -1,7 +1,8 @@
 """ragkv and the OpenAI wire format, as one package.
 
 - :mod:`.protocol`, :mod:`.responses`, :mod:`.schemas`: the request and response shapes
-  (``ragkv serve``'s parsing, bodies and JSON Schemas).
+  (``ragkv serve``'s parsing, bodies and JSON Schemas); :mod:`.limits`: what a request may
+  hold and :class:`~.limits.APIError`, the refusal.
 - :mod:`.client`: :class:`RemoteEngine`, an :class:`~ragkv.cache_engine.engine_like.EngineLike`
   over any OpenAI-compatible server (httpx only); :mod:`.client_reader` reads its answers;
   :mod:`.tokenizer`: :func:`load_tokenizer`, the server model's tokenizer it assembles with.

@@ -1,5 +1,6 @@
-"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing and limits (response
-bodies in :mod:`.responses`, the matching JSON Schemas in :mod:`.schemas`).
+"""The OpenAI wire format as ``ragkv serve`` speaks it: request parsing (the limits it
+applies and the errors it raises in :mod:`.limits`, response bodies in :mod:`.responses`,
+the matching JSON Schemas in :mod:`.schemas`).
 
 Pure Python (no web framework), so the rules are testable on their own. Parsing is strict
 about types and refuses features the engine does not have (``n > 1``, penalties, logprobs)
@@ -15,111 +16,24 @@ vLLM extensions understood: ``cache_salt``, ``top_k``, ``min_p``, ``stop_token_i
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.cache_engine.sampling_params import (
-    MAX_STOP_STRINGS,
-    json_field,
-    json_ints,
-    openai_fields,
-)
+from ragkv.cache_engine.sampling_params import json_field, json_ints, openai_fields
 from ragkv.dedup import Chunk
 from ragkv.errors import ConfigError, InvalidInputError
+from ragkv.integrations.openai.limits import (
+    DEFAULT_LIMITS,
+    APIError,
+    RequestLimits,
+    check_chunk_bytes,
+    check_prompt_tokens,
+    check_text_bytes,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-
-# Wire limits: the defaults of RequestLimits and of their `ragkv serve` flags.
-# RAG limits. Measured on 2 CPU cores: one request with an 8 MB chunk made a small RAG
-# request wait 11.9 s instead of 0.31 s, and eight 2 MB RAG requests made a plain completion
-# wait 13.8 s (tokenizing and hashing hold the GIL). 256 KiB of chunks is ~64k tokens, more
-# than most contexts hold, so an honest request never reaches these.
-DEFAULT_MAX_CHUNK_BYTES = 32 << 10
-DEFAULT_MAX_CHUNKS = 64
-DEFAULT_MAX_RAG_BYTES = 256 << 10
-# The rest of a request's text (messages, a string prompt, ragkv.system), bounded before
-# tokenizing like the chunks: six 7 MB chats once made another tenant's small chat take 67 s.
-DEFAULT_MAX_TEXT_BYTES = 1 << 20
-DEFAULT_MAX_MESSAGES = 256
-# The engine's own cap (OpenAI's 4): the flag can only lower it.
-DEFAULT_MAX_STOP_STRINGS = MAX_STOP_STRINGS
-
-
-class APIError(Exception):
-    """An error the server answers with ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def rate_limited(tenant: bool, what: str) -> APIError:
-    """A 429 with ``Retry-After``: the tenant's share (``tenant``) or the server's of
-    ``what`` is used up."""
-    which = "this API key's" if tenant else "the server's"
-    return APIError(
-        429,
-        f"{which} limit of {what} is reached; retry shortly",
-        type="rate_limit_error",
-        code="too_many_requests",
-        headers={"Retry-After": "1"},
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """Per-request size limits, checked while parsing, before any tokenization or queueing.
-
-    One huge RAG request stalls everyone (tokenizing and hashing megabytes holds the GIL
-    and the assembler), so chunks are bounded one by one, in number and in total UTF-8
-    bytes. The rest of the prompt's text (messages, a string prompt, ``ragkv.system``) is
-    bounded in UTF-8 bytes (``max_text_bytes``) and messages in number (``max_messages``),
-    also before any tokenization. ``max_prompt_tokens`` (None: the model context) bounds the
-    prompt after tokenization, and a token-id prompt before anything else.
-    """
-
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    max_chunks: int = DEFAULT_MAX_CHUNKS
-    max_rag_bytes: int = DEFAULT_MAX_RAG_BYTES
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
-    max_prompt_tokens: int | None = None
-    max_messages: int = DEFAULT_MAX_MESSAGES
-    max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
-
-    def __post_init__(self) -> None:
-        names = ("max_chunk_bytes", "max_chunks", "max_rag_bytes", "max_stop_strings")
-        for name in (*names, "max_messages", "max_text_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1", param=name)
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ConfigError("max_prompt_tokens must be at least 1", param="max_prompt_tokens")
 
 
 @dataclass(slots=True)
@@ -153,7 +67,7 @@ class GenerationRequest:
     )
 
 
-def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> GenerationRequest:
+def parse_completion(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerationRequest:
     """Parse a ``POST /v1/completions`` body."""
     body = _object(body)
     request = _common(body, limits, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
@@ -169,7 +83,7 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Gene
     return request
 
 
-def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> GenerationRequest:
+def parse_chat(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerationRequest:
     """Parse a ``POST /v1/chat/completions`` body (``max_completion_tokens`` wins)."""
     body = _object(body)
     request = _common(body, limits, max_tokens_default=None)
@@ -185,69 +99,6 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> Generation
     if body.get("ragkv") is not None:
         request.rag = _rag(body["ragkv"], limits)
     return request
-
-
-def check_prompt_tokens(count: int, limits: RequestLimits, param: str) -> None:
-    """400 when a prompt of ``count`` tokens exceeds ``limits.max_prompt_tokens``."""
-    if limits.max_prompt_tokens is not None and count > limits.max_prompt_tokens:
-        raise APIError(
-            400,
-            f"the prompt has {count} tokens; this server accepts at most "
-            f"{limits.max_prompt_tokens}. Send fewer or shorter chunks or messages",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def may_hold_lone_surrogate(raw: bytes) -> bool:
-    """Whether a JSON body could decode to a lone surrogate: only a ``\\ud800``-``\\udfff``
-    escape can produce one (raw UTF-8 cannot encode it). One O(bytes) scan, so a large body
-    without such an escape is never walked field by field."""
-    return _SURROGATE_ESCAPE.search(raw) is not None
-
-
-def find_lone_surrogate(body: Any) -> str | None:
-    """The path (``messages[0].content``) of the first string in ``body`` that holds a lone
-    UTF-16 surrogate, else None.
-
-    JSON may escape one (``"\\ud800"``) and ``json.loads`` keeps it, but such a string has
-    no UTF-8 form: tokenizers, hashers and the JSON encoder of the answer all fail on it.
-    Iterative, so any nesting depth ``json.loads`` accepted is walked without recursion.
-    """
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            if not _utf8_encodable(value):
-                return _path_name(path)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not _utf8_encodable(key):
-                    return _path_name(path) or "body"
-                stack.append((item, (*path, key)))
-        elif isinstance(value, list):
-            stack.extend((item, (*path, i)) for i, item in enumerate(value))
-    return None
-
-
-def _utf8_encodable(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _path_name(path: tuple[str | int, ...]) -> str:
-    name = ""
-    for part in path:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else part)
-    return name
 
 
 # -- parsing helpers ----------------------------------------------------------------------
@@ -328,22 +179,6 @@ def _messages(messages: Any, limits: RequestLimits) -> list[dict[str, str]]:
     return parsed
 
 
-def check_text_bytes(texts: list[str], limits: RequestLimits, param: str) -> None:
-    """Refuse prompt text over ``limits.max_text_bytes`` UTF-8 bytes (before tokenizing)."""
-    total = 0
-    for text in texts:
-        # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
-        total += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-        if total > limits.max_text_bytes:
-            raise APIError(
-                400,
-                f"{param} hold more than {limits.max_text_bytes} bytes of text; this server "
-                "accepts at most that per request (send retrieved passages as ragkv.chunks)",
-                param=param,
-                code="text_too_large",
-            )
-
-
 def _content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
@@ -389,7 +224,7 @@ def _rag(value: Any, limits: RequestLimits) -> RagContext:
     total = 0
     for i, chunk in enumerate(chunks):
         param = f"ragkv.chunks[{i}]"
-        total += _chunk_bytes(chunk, param, limits)
+        total += check_chunk_bytes(chunk, param, limits)
         if total > limits.max_rag_bytes:
             raise APIError(
                 400,
@@ -443,24 +278,6 @@ def _reuse(value: dict[str, Any]) -> BlendConfig | None:
         return BlendConfig(strategy, k=k)
     except ConfigError as exc:
         raise APIError(400, str(exc), param="ragkv.strategy") from exc
-
-
-def _chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:
-    """UTF-8 size of a chunk's text (0 for a malformed chunk: its shape is refused later)."""
-    text = chunk.get("content") if isinstance(chunk, dict) else chunk
-    if not isinstance(text, str):
-        return 0
-    # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
-    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-    if size > limits.max_chunk_bytes:
-        raise APIError(
-            400,
-            f"{param} has {size} bytes; this server accepts at most {limits.max_chunk_bytes} "
-            "per chunk. Split it into smaller chunks",
-            param=param,
-            code="chunk_too_large",
-        )
-    return size
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:

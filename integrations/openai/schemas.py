@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ragkv.cache_engine.sampling_params import OPENAI_SEED_MAX, OPENAI_SEED_MIN
-from ragkv.integrations.openai.protocol import ROLES, RequestLimits
+from ragkv.integrations.openai.limits import RequestLimits
+from ragkv.integrations.openai.protocol import ROLES
 
 
 def request_schemas(

@@ -7,7 +7,11 @@ An engine combinator: the replicas are any EngineLike objects, in-process
 :class:`~ragkv.integrations.openai.RemoteEngine`; :meth:`ReplicaRouter.from_urls` builds the
 latter from a list of URLs.
 
-- :mod:`.router`: the router (failover, health, stats);
+- :mod:`.router`: the router, a facade over the modules below (and its stats);
+- :mod:`.replica`: one replica's router-side state and counters;
+- :mod:`.selection`: a request's block hashes and session, the choice, what an answer teaches;
+- :mod:`.dispatch`: sending a request until a replica answers (failover, re-send, streams);
+- :mod:`.health`: which failures take a replica out, its backoff and its probe back;
 - :mod:`.policies`: the ranking rules, pure functions;
 - :mod:`.prefix_index`: the bounded, self-correcting per-replica index of block hashes.
 """

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ragkv.integrations.openai.protocol import APIError
+from ragkv.integrations.openai.limits import APIError
 from ragkv.integrations.openai.server.fair_work import FairWorkers
 
 

@@ -424,5 +424,5 @@ def test_session_ids_are_kept_as_fixed_size_digests():
     huge = "s" * 1_000_000  # a client controls its session id: any length
     router.generate(doc(0) + [1], session_id=huge)
     router.generate(doc(1) + [1], session_id=huge)
-    ((salt, key),) = router._sessions  # one session, remembered by a 32-hex digest
+    ((salt, key),) = router._selector.sessions  # one session, remembered by a 32-hex digest
     assert len(key) == 32

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from support import ids, sse_payloads
 
 from ragkv.errors import ConfigError, InvalidInputError  # noqa: E402
-from ragkv.integrations.openai.protocol import RequestLimits  # noqa: E402
+from ragkv.integrations.openai.limits import RequestLimits  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789": "bob"}
@@ -529,7 +529,7 @@ def test_a_tenant_of_the_same_name_on_another_deployment_shares_nothing(start_se
     ids=["text-bytes", "message-count", "unknown-role", "rag-system-bytes"],
 )
 def test_all_prompt_text_is_bounded_before_tokenizing(start_server, api_key, body, param):
-    from ragkv.integrations.openai.protocol import RequestLimits
+    from ragkv.integrations.openai.limits import RequestLimits
 
     url = start_server(limits=RequestLimits(max_text_bytes=64 << 10, max_messages=8))
     response = httpx.post(
@@ -542,7 +542,7 @@ def test_all_prompt_text_is_bounded_before_tokenizing(start_server, api_key, bod
 
 
 def test_the_surrogate_scan_skips_bodies_without_an_escape():
-    from ragkv.integrations.openai.protocol import may_hold_lone_surrogate
+    from ragkv.integrations.openai.limits import may_hold_lone_surrogate
 
     assert not may_hold_lone_surrogate(b'{"a": "' + b"x" * 100_000 + b'"}')
     assert may_hold_lone_surrogate(rb'{"a": "\ud800"}')

@@ -18,7 +18,7 @@ Safety rules (no request can hurt another):
 - Bodies over ``max_body_bytes`` get 413 before they are parsed; large bodies are decoded
   and validated on a worker thread, so the event loop keeps serving. Everything is
   validated before anything is queued: a bad value is a 400 naming its field, RAG chunks
-  are bounded by :class:`~ragkv.integrations.openai.protocol.RequestLimits`.
+  are bounded by :class:`~ragkv.integrations.openai.limits.RequestLimits`.
 - A request that outlives ``request_timeout_s`` is aborted (504); a client that disconnects
   aborts its request, which frees its KV blocks; every error is an OpenAI-style JSON body,
   never a traceback, and every stream ends with an error event or ``data: [DONE]``.
@@ -52,7 +52,14 @@ from ragkv.errors import (
 )
 from ragkv.integrations.openai import protocol as proto
 from ragkv.integrations.openai import schemas
-from ragkv.integrations.openai.protocol import APIError, GenerationRequest, RequestLimits
+from ragkv.integrations.openai.limits import (
+    APIError,
+    RequestLimits,
+    check_prompt_tokens,
+    find_lone_surrogate,
+    may_hold_lone_surrogate,
+)
+from ragkv.integrations.openai.protocol import GenerationRequest
 from ragkv.integrations.openai.server import auth
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
 from ragkv.integrations.openai.server.errors import (
@@ -246,7 +253,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
         prompt = parsed.prompt
         if isinstance(prompt, str):
             prompt = await served.workers.run(parsed.tenant, _tokenize, served.engine, prompt)
-            proto.check_prompt_tokens(len(prompt), served.limits, "prompt")
+            check_prompt_tokens(len(prompt), served.limits, "prompt")
         return await generate(request, served, parsed, prompt, chat=False, extra=None)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(chat_schema))
@@ -257,7 +264,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
             parsed.tenant, _chat_prompt, served, parsed
         )
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
-        proto.check_prompt_tokens(len(token_ids), served.limits, culprit)
+        check_prompt_tokens(len(token_ids), served.limits, culprit)
         return await generate(
             request, served, parsed, token_ids, chat=True, extra=extra, reuse=reuse
         )
@@ -317,7 +324,7 @@ def _decode(
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-    bad = proto.find_lone_surrogate(body) if proto.may_hold_lone_surrogate(raw) else None
+    bad = find_lone_surrogate(body) if may_hold_lone_surrogate(raw) else None
     if bad is not None:
         raise APIError(
             400,

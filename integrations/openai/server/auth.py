@@ -15,7 +15,7 @@ from typing import Any
 from ragkv.errors import (
     ConfigError,
 )
-from ragkv.integrations.openai.protocol import APIError
+from ragkv.integrations.openai.limits import APIError
 from ragkv.integrations.openai.server.access_log import log_request
 from ragkv.integrations.openai.server.errors import too_large
 from ragkv.integrations.openai.server.metrics import ServerMetrics

@@ -1,7 +1,7 @@
 """``ragkv serve``: load a model and serve it over an OpenAI-compatible HTTP API.
 
 The top of the server: flags take their defaults from :mod:`.settings` (the server's),
-:mod:`~ragkv.integrations.openai.protocol` (the request limits) and the engine's
+:mod:`~ragkv.integrations.openai.limits` (the request limits) and the engine's
 ``EngineConfig`` (:mod:`~ragkv.cache_engine.engine_flags`), and :func:`run` builds the
 app; no server module imports this one (only ``ragkv.cli``, which dispatches ``ragkv
 serve``). Heavy imports (torch, fastapi, uvicorn) happen inside :func:`run`, so ``ragkv
@@ -20,7 +20,7 @@ from pathlib import Path
 from ragkv.cache_engine.engine_flags import add_engine_flags, engine_config_from_args
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import ConfigError, MissingDependencyError
-from ragkv.integrations.openai.protocol import (
+from ragkv.integrations.openai.limits import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
     DEFAULT_MAX_MESSAGES,

@@ -17,7 +17,7 @@ from ragkv.errors import (
     RagkvError,
     RequestAbortedError,
 )
-from ragkv.integrations.openai.protocol import APIError
+from ragkv.integrations.openai.limits import APIError
 
 if TYPE_CHECKING:
     from ragkv.integrations.openai.server.state import Served

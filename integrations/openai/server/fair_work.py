@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ragkv.integrations.openai.protocol import rate_limited
+from ragkv.integrations.openai.limits import rate_limited
 
 T = TypeVar("T")
 

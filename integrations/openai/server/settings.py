@@ -3,8 +3,8 @@ environment variables it reads, and its tenant and host policy.
 
 Framework-free (no FastAPI, uvicorn or torch): the CLI parser, the app and the gate all
 read these values, and ``ragkv --help`` imports this module. The per-request wire limits
-(chunk, text and message bounds) live with the parsing that checks them, in
-:mod:`ragkv.integrations.openai.protocol`.
+(chunk, text and message bounds) live beside the parsing that checks them, in
+:mod:`ragkv.integrations.openai.limits`.
 """
 
 from __future__ import annotations

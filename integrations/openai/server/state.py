@@ -8,7 +8,7 @@ from typing import Any
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
-from ragkv.integrations.openai.protocol import RequestLimits, rate_limited
+from ragkv.integrations.openai.limits import RequestLimits, rate_limited
 from ragkv.integrations.openai.server.fair_work import FairWorkers
 from ragkv.integrations.openai.server.metrics import ServerMetrics
 
