@@ -414,8 +414,12 @@ class Assembler:
         head_key = _head_key(head)
         if chunk_order is None:
             orders = self._orders(request.chunks, ranks, head_key, stats)
-        else:  # the batch's shared order: no tree walk
+        else:  # the batch's shared order first; the sent orders' walk may still win
             orders = [canonical_order(request.chunks, ranks)]
+            if self.order == "cache-aware":
+                walked, _ = cache_aware_order(request.chunks, ranks, self.tree, head_key)
+                if walked != orders[0]:
+                    orders.append(walked)
         candidates = [
             (self._build(request, frame, order, stats), head_key, order) for order in orders
         ]
