@@ -249,7 +249,7 @@ def test_a_load_timed_out_midway_keeps_the_blocks_loaded_by_then(llama_dir, tier
         return fast(block_hash, hash_input)
 
     tiers.load = load
-    with tiered(llama_dir, kv_load_timeout_s=0.5) as eng:
+    with tiered(llama_dir, kv_load_timeout_s=2.0) as eng:
         for i in (0, 1):
             eng.generate(ids(i, 100), GREEDY)
         try:

@@ -11,6 +11,15 @@ from ragkv.integrations.openai.limits import APIError
 from ragkv.integrations.openai.server.fair_work import FairWorkers
 
 
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` on the event loop (worker threads start when the OS runs them)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting")
+
+
 def test_a_flood_of_one_tenant_does_not_queue_another_behind_it():
     ran: list[str] = []
     gate = threading.Event()
@@ -47,11 +56,12 @@ def test_no_tenant_holds_every_thread():
     async def main() -> None:
         workers = FairWorkers(3, max_per_tenant=10, max_total=20)
         flood = [asyncio.create_task(workers.run("flood", job, f"F{i}")) for i in range(5)]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(started) >= 2)
+        await asyncio.sleep(0.05)  # a third would start now if it could
         assert sorted(started) == ["F0", "F1"]  # two of three threads; one stays free
         quiet = asyncio.create_task(workers.run("quiet", job, "Q"))
-        await asyncio.sleep(0.05)
-        assert "Q" in started  # at once, while the flood's jobs still run
+        await until(lambda: "Q" in started)  # at once, while the flood's jobs still run
+        assert sorted(started) == ["F0", "F1", "Q"]
         gate.set()
         await asyncio.gather(*flood, quiet)
         workers.close()
