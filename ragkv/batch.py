@@ -6,22 +6,25 @@ chunks go in. :meth:`ragkv.Pipeline.answer_batch` takes the items a window at a 
 (``window``, 1,024 by default, so a 100k-item batch never holds more than one window's
 chunks, and no more prompts' token ids than are in flight) and per window:
 
-1. dedups every item's chunks and counts, over the window, how many items hold each chunk;
-2. gives the chunks held by two items or more **one shared order**, most shared first (ties
-   by first appearance), so two items with the same hot chunks send them as the same
-   prefix (chunks held by one item go after, as volatile content does);
-3. **orders the items** by tenant (cache salt), system prompt and then their chunks in that
-   shared order, compared lexicographically: a depth-first walk of the prefix tree of the
-   planned chunk orders, so items that share a prefix run one after another while it is
-   still in the KV pool. A session's turns keep their order (each waits for the one before,
-   whose answer is in its history);
-4. assembles and submits the items in that order with ``max_in_flight`` in the engine at
-   once, and returns the answers in the caller's order.
+1. dedups every item's chunks (content keys as the assembler will see them) and teaches
+   the system-prompt learner the window's system prompts in the caller's order;
+2. plans (:mod:`ragkv.batch_plan`): items group by tenant (cache salt) and system-prompt
+   opening; within a group a prefix tree of their chunk sets, built greedily, gives each
+   item its **shared path** (the chunks it shares with other items, in one order, first in
+   its prompt; the rest follow in the assembler's learned order), and the items run
+   depth-first, so those sharing a prefix run one after another while it is in the pool;
+3. runs them in that order with at most ``max_in_flight`` in the engine: an item waits for
+   the prefill of the item before it in its subtree (run in one step, both would compute
+   the shared prefix), and a session's turns that take their history from the batch run
+   in order (a failed turn skips the ones after it);
+4. assembles each item just before it is submitted (residency then is current: the tree
+   walk over orders already sent stays a candidate) and returns answers in the caller's
+   order.
 
 What the engine does with a contended pool is its scheduler's policy
 (``EngineConfig.schedule_policy``): ``"fcfs"`` admits in submission order, which is the
 order above; ``"longest-prefix"`` admits the waiting request with the longest cached
-prefix first. ``ragkv bench`` measures both (docs/benchmarks.md).
+prefix first. ``ragkv bench --schedule-policy`` measures both (docs/benchmarks.md).
 
 Answers do not depend on the schedule: each is the engine's exact answer to its own prompt
 (``answer.prompt_text``), whatever ran beside it. The chunk order a prompt gets does
@@ -33,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragkv._sync import run_coroutine
 from ragkv.assembler.structured import SystemLike, system_parts
+from ragkv.batch_plan import keep_turn_order, plan_window, prefix_leaders
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import InvalidInputError, RagkvError
 
@@ -144,151 +147,6 @@ def windows(items: Iterable[Any], size: int) -> Iterator[list[BatchItem]]:
         if not window:
             return
         yield window
-
-
-def plan_window(
-    chunk_keys: Sequence[Sequence[bytes]],
-    heads: Sequence[Hashable],
-    tails: Sequence[tuple[str, ...]] | None = None,
-) -> tuple[list[int], list[dict[bytes, int]]]:
-    """The order to run a window's items in, and each item's chunk order (key → rank).
-
-    Items group by ``heads[i]`` (what precedes the chunks: salt, system prompt), in order of
-    first appearance. Within a group, a prefix tree is built greedily: at each node, a
-    chunk held by several items of the node becomes the next chunk of all of them, which
-    form its subtree; the others stay at the node, for its next child. The chunk is the one
-    whose subtree shares the most at its first two levels (:func:`_next_chunk`).
-    A chunk held by one item of a node ends that item's path; the rank map names only the
-    path (the assembler places the other chunks after it, in its learned order). At a
-    leaf, items whose path holds all their chunks come first, sorted by ``tails[i]`` (what
-    follows the chunks: the history turns), so turns sharing a history prefix run together. Running the items depth-first, each runs right after the
-    items it shares the longest chunk prefix with.
-    """
-    first: dict[bytes, int] = {}
-    for keys in chunk_keys:
-        for key in keys:
-            first.setdefault(key, len(first))
-    groups: dict[Hashable, list[int]] = {}
-    for i, head in enumerate(heads):
-        groups.setdefault(head, []).append(i)
-    order: list[int] = []
-    paths: list[list[bytes]] = [[] for _ in chunk_keys]
-    sets = [set(keys) for keys in chunk_keys]
-    # (items, depth): items that share a path of ``depth`` chunks, still to place.
-    stack = [(members, 0) for members in reversed(groups.values())]
-    while stack:
-        members, depth = stack.pop()
-        counts = Counter(key for i in members for key in sets[i] if key not in paths[i][:depth])
-        best = _next_chunk(counts, members, sets, paths[members[0]][:depth], first)
-        if best is None:  # leaves: no chunk is shared below this node
-            order.extend(sorted(members, key=lambda i: (
-                len(sets[i]) > len(paths[i]), tails[i] if tails else (), i)))  # fmt: skip
-            continue
-        inside = [i for i in members if best in sets[i]]
-        outside = [i for i in members if best not in sets[i]]
-        for i in inside:
-            paths[i].append(best)
-        if outside:
-            stack.append((outside, depth))  # the node's next child, after this subtree
-        stack.append((inside, depth + 1))
-    return order, [{key: r for r, key in enumerate(path)} for path in paths]
-
-
-# Candidates scored per tree node (the most frequent); the score looks one level deeper.
-_CANDIDATES = 16
-
-
-def _next_chunk(
-    counts: Counter[bytes],
-    members: Sequence[int],
-    sets: Sequence[set[bytes]],
-    path: Sequence[bytes],
-    first: Mapping[bytes, int],
-) -> bytes | None:
-    """The node's next chunk, or None when no chunk is held by two of its items.
-
-    Counting alone picks a chunk that many unrelated items hold (a generic passage) over
-    the passages of one topic, which hold together for several levels; so each candidate
-    scores the items sharing it plus the items sharing its best second chunk.
-    """
-    taken = set(path)
-    shared = [k for k, n in counts.most_common(_CANDIDATES) if n > 1]
-    if not shared:
-        return None
-
-    def score(key: bytes) -> tuple[int, int]:
-        pairs = Counter(
-            other for i in members if key in sets[i] for other in sets[i]
-            if other != key and other not in taken
-        )  # fmt: skip
-        deeper = max(pairs.values(), default=1)
-        return counts[key] - 1 + deeper - 1, -first[key]
-
-    return max(shared, key=score)
-
-
-def prefix_leaders(
-    order: Sequence[int], ranks: Sequence[Mapping[bytes, int]], heads: Sequence[Hashable]
-) -> dict[int, int]:
-    """For each item, the item just before it in ``order`` whose chunk order starts the same
-    way (same head, same first chunk), if any.
-
-    Run together, two such items would both compute the shared prefix: an engine step
-    computes a prompt's blocks before they can be found in the cache. So an item waits for
-    its leader's prefill (its first token) before it is submitted; items of other subtrees
-    run meanwhile.
-    """
-    leaders: dict[int, int] = {}
-    previous: int | None = None
-    for i in order:
-        first = _first(ranks[i])
-        if (
-            previous is not None
-            and first is not None
-            and heads[i] == heads[previous]
-            and first == _first(ranks[previous])
-        ):
-            leaders[i] = previous
-        previous = i
-    return leaders
-
-
-def _first(rank: Mapping[bytes, int]) -> bytes | None:
-    return min(rank, key=rank.__getitem__, default=None)
-
-
-def keep_turn_order(order: Sequence[int], sessions: Sequence[Hashable | None]) -> list[int]:
-    """``order`` with each session's items in their own order: a turn whose earlier turn is
-    still to run waits for it, and then runs right after it (its answer is this turn's
-    history)."""
-    waiting: dict[Hashable, list[int]] = {}
-    for i in sorted(i for i in order if sessions[i] is not None):
-        waiting.setdefault(sessions[i], []).append(i)
-    out: list[int] = []
-    done: set[int] = set()
-    held: dict[int, int] = {}  # earlier turn -> the turn waiting for it
-
-    def emit(i: int) -> None:
-        while True:
-            out.append(i)
-            done.add(i)
-            nxt = held.pop(i, None)
-            if nxt is None:
-                return
-            i = nxt
-
-    for i in order:
-        session = sessions[i]
-        if session is None:
-            emit(i)
-            continue
-        turns = waiting[session]
-        before = turns[turns.index(i) - 1] if turns.index(i) > 0 else None
-        if before is None or before in done:
-            emit(i)
-        else:
-            held[before] = i
-    return out
 
 
 class TurnSkippedError(RagkvError):

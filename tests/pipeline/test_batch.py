@@ -11,7 +11,8 @@ import pytest
 from support import save_tiny_checkpoint, training_text
 
 import ragkv
-from ragkv.batch import BatchItem, keep_turn_order, plan_window, prefix_leaders, windows
+from ragkv.batch import BatchItem, windows
+from ragkv.batch_plan import keep_turn_order, plan_window, prefix_leaders
 from ragkv.bench.simulated import SimulatedEngine
 from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.errors import InvalidInputError
