@@ -23,13 +23,17 @@ def plan_window(
     Items group by ``heads[i]`` (what precedes the chunks: salt, system prompt), in order of
     first appearance. Within a group, a prefix tree is built greedily: at each node, a
     chunk held by several items of the node becomes the next chunk of all of them, which
-    form its subtree; the others stay at the node, for its next child. The chunk is the one
-    whose subtree shares the most at its first two levels (:func:`_next_chunk`).
+    form its subtree; the others stay at the node, for its next child. At a node of at most
+    ``_LOOKAHEAD_MEMBERS`` items (while the window's ``_LOOKAHEAD_BUDGET`` lasts) the chunk
+    is the candidate whose whole tree (its subtree and the rest of the node, each built the
+    cheap way) shares the most (:func:`_best_by_tree`); elsewhere the one whose subtree
+    shares the most at its first two levels (:func:`_next_chunk`).
     A chunk held by one item of a node ends that item's path; the rank map names only the
     path (the assembler places the other chunks after it, in its learned order). At a
     leaf, items whose path holds all their chunks come first, sorted by ``tails[i]`` (what
-    follows the chunks: the history turns), so turns sharing a history prefix run together. Running the items depth-first, each runs right after the
-    items it shares the longest chunk prefix with.
+    follows the chunks: the history turns), so turns sharing a history prefix run together.
+    Running the items depth-first, each runs right after the items it shares the longest
+    chunk prefix with.
     """
     first: dict[bytes, int] = {}
     for keys in chunk_keys:
@@ -43,10 +47,15 @@ def plan_window(
     sets = [set(keys) for keys in chunk_keys]
     # (items, depth): items that share a path of ``depth`` chunks, still to place.
     stack = [(members, 0) for members in reversed(groups.values())]
+    budget = [_LOOKAHEAD_BUDGET]
     while stack:
         members, depth = stack.pop()
         counts = Counter(key for i in members for key in sets[i] if key not in paths[i][:depth])
-        best = _next_chunk(counts, members, sets, paths[members[0]][:depth], first)
+        path = paths[members[0]][:depth]
+        if len(members) <= _LOOKAHEAD_MEMBERS and budget[0] > 0:
+            best = _best_by_tree(counts, members, sets, path, first, budget)
+        else:
+            best = _next_chunk(counts, members, sets, path, first)
         if best is None:  # leaves: no chunk is shared below this node
             order.extend(sorted(members, key=lambda i: (
                 len(sets[i]) > len(paths[i]), tails[i] if tails else (), i)))  # fmt: skip
@@ -63,6 +72,66 @@ def plan_window(
 
 # Candidates scored per tree node (the most frequent); the score looks one level deeper.
 _CANDIDATES = 16
+# The whole-tree look-ahead: nodes of at most this many items, a few candidates each, and
+# at most this many item visits per window (then one level only): planning stays ~1 s.
+_LOOKAHEAD_MEMBERS = 64
+_LOOKAHEAD_CANDIDATES = 8
+_LOOKAHEAD_BUDGET = 2_000_000
+
+
+def _best_by_tree(
+    counts: Counter[bytes],
+    members: Sequence[int],
+    sets: Sequence[set[bytes]],
+    path: Sequence[bytes],
+    first: Mapping[bytes, int],
+    budget: list[int],
+) -> bytes | None:
+    """The candidate whose choice gives the node the largest tree: items sharing each chunk,
+    summed over the subtree it starts and over the node's other items (both built with
+    :func:`_next_chunk`). One level of look-ahead picks a topic's first passage; this also
+    sees how far the items that do not hold it still share."""
+    shared = [k for k, n in counts.most_common(_LOOKAHEAD_CANDIDATES) if n > 1]
+    if not shared:
+        return None
+    taken = frozenset(path)
+
+    def value(key: bytes) -> tuple[int, int]:
+        inside = [i for i in members if key in sets[i]]
+        outside = [i for i in members if key not in sets[i]]
+        shared_by = len(inside) - 1
+        shared_by += _tree_size(inside, sets, taken | {key}, first, budget)
+        shared_by += _tree_size(outside, sets, taken, first, budget)
+        return shared_by, -first[key]
+
+    return max(shared, key=value)
+
+
+def _tree_size(
+    members: Sequence[int],
+    sets: Sequence[set[bytes]],
+    taken: frozenset[bytes],
+    first: Mapping[bytes, int],
+    budget: list[int],
+) -> int:
+    """How many chunk-sharings (a node's items minus one, over its nodes) the cheap tree
+    over ``members`` has below ``taken``; spends ``budget``."""
+    total = 0
+    stack = [(list(members), taken)]
+    while stack:
+        items, used = stack.pop()
+        budget[0] -= len(items)
+        counts = Counter(k for i in items for k in sets[i] if k not in used)
+        best = _next_chunk(counts, items, sets, list(used), first)
+        if best is None:
+            continue
+        inside = [i for i in items if best in sets[i]]
+        outside = [i for i in items if best not in sets[i]]
+        total += len(inside) - 1
+        stack.append((inside, used | {best}))
+        if outside:
+            stack.append((outside, used))
+    return total
 
 
 def _next_chunk(

@@ -206,3 +206,28 @@ def test_the_async_form_gives_the_same_answers(engine, passages):
     sync = [a.text for a in pipe.answer_batch(items, params=PARAMS)]
     together = asyncio.run(pipe.aanswer_batch(items, params=PARAMS))
     assert [a.text for a in together] == sync
+
+
+def test_the_whole_tree_look_ahead_shares_more_than_one_level(monkeypatch):
+    # On the bench's synthetic workload (no model needed): the prefix tree the plan builds
+    # shares more chunk positions with the whole-tree look-ahead than with one level only.
+    from ragkv import batch_plan
+    from ragkv.bench.workload import SyntheticConfig, synthetic_workload
+    from ragkv.dedup import ChunkRegistry, Deduplicator
+
+    workload = synthetic_workload(SyntheticConfig(requests=40, topics=10, timestamp=False))
+    dedup, registry = Deduplicator(), ChunkRegistry()
+    keys = [[registry.key(c) for c in dedup.dedupe(r.chunks).chunks] for r in workload.requests]
+
+    def sharings(ranks) -> int:  # prefix-tree nodes passed by more than one item
+        prefixes = {}
+        for rank in ranks:
+            path = tuple(sorted(rank, key=rank.get))
+            for n in range(1, len(path) + 1):
+                prefixes[path[:n]] = prefixes.get(path[:n], 0) + 1
+        return sum(count - 1 for count in prefixes.values())
+
+    _, deep = plan_window(keys, [""] * len(keys))
+    monkeypatch.setattr(batch_plan, "_LOOKAHEAD_MEMBERS", 0)
+    _, shallow = plan_window(keys, [""] * len(keys))
+    assert sharings(deep) > sharings(shallow)
