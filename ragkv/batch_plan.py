@@ -44,7 +44,9 @@ def plan_window(
         groups.setdefault(head, []).append(i)
     order: list[int] = []
     paths: list[list[bytes]] = [[] for _ in chunk_keys]
-    sets = [set(keys) for keys in chunk_keys]
+    # Ordered (dicts as ordered sets): ties between equal counts must not depend on the
+    # process's hash seed, or the same window would be planned differently each run.
+    sets = [dict.fromkeys(keys) for keys in chunk_keys]
     # (items, depth): items that share a path of ``depth`` chunks, still to place.
     stack = [(members, 0) for members in reversed(groups.values())]
     budget = [_LOOKAHEAD_BUDGET]
@@ -82,7 +84,7 @@ _LOOKAHEAD_BUDGET = 2_000_000
 def _best_by_tree(
     counts: Counter[bytes],
     members: Sequence[int],
-    sets: Sequence[set[bytes]],
+    sets: Sequence[Mapping[bytes, None]],
     path: Sequence[bytes],
     first: Mapping[bytes, int],
     budget: list[int],
@@ -109,7 +111,7 @@ def _best_by_tree(
 
 def _tree_size(
     members: Sequence[int],
-    sets: Sequence[set[bytes]],
+    sets: Sequence[Mapping[bytes, None]],
     taken: frozenset[bytes],
     first: Mapping[bytes, int],
     budget: list[int],
@@ -137,7 +139,7 @@ def _tree_size(
 def _next_chunk(
     counts: Counter[bytes],
     members: Sequence[int],
-    sets: Sequence[set[bytes]],
+    sets: Sequence[Mapping[bytes, None]],
     path: Sequence[bytes],
     first: Mapping[bytes, int],
 ) -> bytes | None:
