@@ -200,9 +200,6 @@ class KVOffload:
         self.block_size = runner.block_size
         self.shape = payload_shape(runner)
         self.block_bytes = runner.bytes_per_block()
-        self.max_staged_blocks = max_staged_blocks
-        self.load_timeout_s = load_timeout_s
-        self.wake = wake
         self.counters = TierCounters()
         self._lock = threading.Lock()  # guards the counters (the loader counts under it too)
         self._probed: set[str] = set()  # not to be looked up again before admission
