@@ -65,7 +65,7 @@ class EngineCore:
         self.outputs = outputs
         self.offload = offload  # KV tiers below the pool (None: off)
         if offload is not None:
-            offload.wake = self._wake
+            offload.loader.wake = self._wake  # the loader wakes an idle stepping thread
             scheduler.tiers = offload
         self.stats = EngineStats(num_blocks=runner.num_blocks)
         self.lock = threading.Lock()  # guards scheduler + KV manager across threads

@@ -258,3 +258,24 @@ def test_a_load_timed_out_midway_keeps_the_blocks_loaded_by_then(llama_dir, tier
             stuck.set()
     assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 32}
     assert_same(out, reference[0])
+
+
+def test_finished_loads_wake_the_stepping_thread_without_waiting_for_its_poll(
+    llama_dir, tiers, reference, monkeypatch
+):
+    # The engine polls only to time parked requests out; a finished load must wake it. With
+    # the wake lost (the loader kept its no-op default), this took the whole poll interval.
+    import time
+
+    from ragkv.cache_engine import engine_core
+
+    monkeypatch.setattr(engine_core, "LOAD_POLL_S", 60.0)
+    with tiered(llama_dir) as eng:
+        for i in (0, 1):
+            eng.generate(ids(i, 100), GREEDY)
+        started = time.monotonic()
+        out = eng.generate(ids(0, 100), GREEDY, return_logits=True)
+        elapsed = time.monotonic() - started
+    assert out.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
+    assert elapsed < 30  # far below the 60 s poll: the loader woke the engine
+    assert_same(out, reference[0])
