@@ -54,6 +54,7 @@ from ragkv._sync import run_coroutine
 from ragkv.assembler.structured import SystemLike, system_parts
 from ragkv.batch_plan import keep_turn_order, plan_window, prefix_leaders
 from ragkv.cache_engine.sampling_params import SamplingParams
+from ragkv.dedup import DedupResult
 from ragkv.errors import InvalidInputError, RagkvError
 
 if TYPE_CHECKING:
@@ -219,7 +220,9 @@ async def answer_window(
 ) -> list[Any]:
     """Plan, order and answer one window; answers (or exceptions) in the window's order.
     ``turns`` carries each session's questions and answers across windows."""
-    keys = await asyncio.to_thread(_plan_inputs, pipeline, window)
+    deduped = await asyncio.to_thread(_plan_inputs, pipeline, window)
+    key = pipeline.registry.key
+    keys = [[key(chunk) for chunk in result.chunks] for result in deduped]
     heads = [(item.cache_salt or "", _system_key(item.system)) for item in window]
     # Only a turn that takes its history from the batch must wait for the turn before it.
     sessions = [item.session if item.history is None else None for item in window]
@@ -236,7 +239,7 @@ async def answer_window(
         if history is None and item.session is not None:
             history = list(turns.get(item.session, ()))
         prepared = await asyncio.to_thread(
-            pipeline.prepare, item.question, item.chunks, system=item.system, history=history,
+            pipeline.prepare, item.question, deduped[i], system=item.system, history=history,
             cache_salt=item.cache_salt, params=params, chunk_order=ranks[i], learn=False,
         )  # fmt: skip
         answer = None
@@ -262,8 +265,9 @@ async def answer_window(
     return await gather_in_order(jobs, order, sessions, limit, fail_fast=fail_fast, waits=waits)
 
 
-def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[list[bytes]]:
-    """Content keys of each item's chunks as the assembler will see them (after dedup).
+def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[DedupResult]:
+    """Each item's chunks through the dedup stage (what the assembler will see; kept, so
+    assembling the item later does not dedup again).
 
     Also teaches each namespace's system-prompt learner the window's system prompts in the
     caller's order: run in the batch's order, identical versions come together and the
@@ -274,8 +278,7 @@ def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[list[b
         systems.setdefault(item.cache_salt, []).append(item.system)
     for salt, versions in systems.items():
         pipeline.assembler_for(salt).learn_system(versions)
-    key = pipeline.registry.key
-    return [[key(chunk) for chunk in pipeline.dedupe(item.chunks).chunks] for item in window]
+    return [pipeline.dedupe(item.chunks) for item in window]
 
 
 def _history_key(history: Sequence[Turn] | None) -> tuple[str, ...]:
@@ -307,11 +310,20 @@ class BatchRun:
     progress: bool = False
     return_exceptions: bool = False
 
+    def __post_init__(self) -> None:
+        window = self.window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise InvalidInputError(f"window must be an int >= 1, got {window!r}", param="window")
+        _check_limit(self.max_in_flight)
+
 
 def _window_jobs(pipeline: Pipeline, items: Iterable[Any], run: BatchRun) -> Iterator[Any]:
     """One coroutine per window (answers in the window's order), made when the previous
-    window is done: the sync and async forms run them on their own loops or the caller's."""
-    _check_limit(run.max_in_flight)
+    window is done: the sync and async forms run them on their own loops or the caller's.
+    A list of items is validated whole before the first window runs; an iterator, window
+    by window (it is read lazily)."""
+    if isinstance(items, Sequence) and not isinstance(items, str | bytes):
+        items = [batch_item(item, i) for i, item in enumerate(items)]
     turns: dict[Hashable, list[dict[str, str]]] = {}
     bar = _progress(items, run.progress)
     try:

@@ -179,7 +179,7 @@ class Pipeline:
     def prepare(
         self,
         question: str,
-        chunks: Iterable[ChunkLike],
+        chunks: Iterable[ChunkLike] | DedupResult,
         *,
         system: SystemLike | None = None,
         history: Sequence[Turn] | None = None,
@@ -197,9 +197,11 @@ class Pipeline:
         ``chunk_order`` (content key → rank) replaces the learned chunk order for this
         request, as a batch does (:meth:`answer_batch`); ``learn=False`` leaves the
         system-prompt learner untouched (the batch taught it the window's versions first).
+        ``chunks`` may be the :class:`~ragkv.dedup.DedupResult` of an earlier :meth:`dedupe`
+        of them (a batch dedups while planning): it is used as is, not deduplicated again.
         """
         t0 = time.perf_counter()
-        result = self.dedupe(chunks)
+        result = chunks if isinstance(chunks, DedupResult) else self.dedupe(chunks)
         t1 = time.perf_counter()
         residency = None
         if self.engine.knows_residency:

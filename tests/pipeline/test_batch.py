@@ -231,3 +231,15 @@ def test_the_whole_tree_look_ahead_shares_more_than_one_level(monkeypatch):
     monkeypatch.setattr(batch_plan, "_LOOKAHEAD_MEMBERS", 0)
     _, shallow = plan_window(keys, [""] * len(keys))
     assert sharings(deep) > sharings(shallow)
+
+
+def test_a_bad_item_in_a_list_is_refused_before_any_item_runs(engine, passages):
+    pipe = ragkv.Pipeline(engine)
+    finished = engine.stats().requests_finished
+    items = [BatchItem(f"Q{i}?", [passages[0]]) for i in range(3)] + [{"chunks": []}]
+    with pytest.raises(InvalidInputError) as refused:
+        pipe.answer_batch(items, params=PARAMS, window=2)
+    assert refused.value.param == "items[3].question"
+    assert engine.stats().requests_finished == finished  # the first window never ran
+    with pytest.raises(InvalidInputError, match="window"):
+        pipe.stream_batch(items[:3], window=0)  # at the call, not at the first answer
