@@ -43,15 +43,26 @@ def test_every_block_is_hashed_once_even_across_preemption(llama_dir, hashed_blo
     assert stepping == full_blocks - 4 * (30 // BLOCK)  # the prompts' were hashed by callers
 
 
-def test_a_residency_probe_hashes_once_and_leaves_no_state(llama_dir, hashed_blocks):
+def test_a_residency_probe_hashes_once_outside_the_lock_with_no_request(
+    llama_dir, hashed_blocks, monkeypatch
+):
+    # Before, a probe built a throw-away request, made manager state for it under the core
+    # lock (hashing there) and freed it again.
+    from ragkv.cache_engine.kv_cache_manager import KVCacheManager
+
     tokens = ids(1, 100)
     with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
         engine.generate(tokens, SamplingParams(max_tokens=1))
         hashed_blocks.clear()
+
+        def no_request_state(self, request):
+            raise AssertionError("a residency probe made per-request manager state")
+
+        monkeypatch.setattr(KVCacheManager, "_state", no_request_state)
         assert engine.cached_prefix_length(tokens) == 96
         assert engine.cached_prefix_length(tokens, cache_salt="tenant") == 0
-        assert not engine.kv._requests  # no throw-away request state
     assert sum(hashed_blocks.values()) == 2 * (100 // BLOCK)
+    assert "ragkv-engine" not in hashed_blocks  # hashed in the caller's thread
 
 
 @pytest.fixture
