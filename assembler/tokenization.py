@@ -12,8 +12,10 @@ are parsed for special tokens.
 Normalization: byte-level BPE decodes a text's token ids back to exactly that text, provided
 every byte's symbol is in the vocab. The shipped SmolLM2 vocab lacks 21 of the 256 (the
 control bytes 04 06 13 14 16 1D and the UTF-8 lead bytes C0 C1 F1 F2 F5-FF): such bytes
-are dropped, and characters U+40000-U+BFFFF decode as U+FFFD. Lone surrogates (which
-:class:`ragkv.dedup.Chunk` accepts) are encoded as U+FFFD. Everything else round-trips.
+are dropped, and characters U+40000-U+BFFFF decode as U+FFFD. Lone surrogates are encoded as
+U+FFFD in other text; a :class:`ragkv.dedup.Chunk` holding one reads as its bytes do (each of
+the surrogate's three bytes as U+FFFD), so text and bytes chunks of one identity agree.
+Everything else round-trips.
 """
 
 from __future__ import annotations
