@@ -18,6 +18,7 @@ from typing import Any
 from ragkv.cache_engine import offload
 from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
+from ragkv.cache_engine.chunk_reuse.source import ChunkReuseSource
 from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.engine_calls import EngineCalls
 from ragkv.cache_engine.engine_core import EngineCore
@@ -27,6 +28,7 @@ from ragkv.cache_engine.input_processor import (
     Prompt,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
+from ragkv.cache_engine.kv_source import KVSource
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
@@ -60,10 +62,15 @@ class Engine(EngineCalls):
         )
         # Where exactly computed chunks' K/V lives, for requests that opt into chunk reuse.
         self.chunk_index = ChunkIndex(self.runner.identity, algo=config.hash_algo)
-        self.scheduler = Scheduler(self.kv, config, self.max_model_len, self.chunk_index)
+        tiers = self._open_tiers(config)
+        # K/V from outside the pool's prefix cache, asked in this order (kv_source.py):
+        # the tiers continue the exact prefix, chunk reuse plans the rest.
+        sources: list[KVSource] = [] if tiers is None else [tiers]
+        sources.append(ChunkReuseSource(self.chunk_index, self.kv, config.max_num_batched_tokens))
+        self.scheduler = Scheduler(self.kv, config, self.max_model_len, sources)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
         outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.core = EngineCore(self.scheduler, self.runner, outputs, self._open_tiers(config))
+        self.core = EngineCore(self.scheduler, self.runner, outputs, tiers)
         self.inputs = InputProcessor(
             self.tokenizer,
             vocab_size=self.runner.vocab_size,
@@ -80,6 +87,7 @@ class Engine(EngineCalls):
         return KVOffload(
             offload.open_tiers(config, self.runner),
             self.runner,
+            self.kv,
             max_staged_blocks=self.runner.num_blocks,
             load_timeout_s=config.kv_load_timeout_s,
         )

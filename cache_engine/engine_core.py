@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # Steps that fail for no single request, in a row, before the engine gives up: one can be
 # a transient fault (an allocation spike), three in a row is a broken device or model.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-LOAD_POLL_S = 0.1  # idle wait while a parked request may time out of its tier loads
+LOAD_POLL_S = 0.1  # idle wait while a request waiting for K/V may time out of its loads
 
 
 class EngineCore:
@@ -63,10 +63,9 @@ class EngineCore:
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.outputs = outputs
-        self.offload = offload  # KV tiers below the pool (None: off)
+        self.offload = offload  # KV tiers below the pool (None: off); the write path here
         if offload is not None:
             offload.loader.wake = self._wake  # the loader wakes an idle stepping thread
-            scheduler.tiers = offload
         self.stats = EngineStats(num_blocks=runner.num_blocks)
         self.lock = threading.Lock()  # guards scheduler + KV manager across threads
         # Orders submissions against close(): an "add" is never queued behind "close".
@@ -104,27 +103,10 @@ class EngineCore:
         snapshot.evictions = cache.evictions
         snapshot.num_free_blocks = cache.num_free_blocks
         snapshot.preemptions = self.scheduler.num_preemptions
-        snapshot.blend_fallbacks = self.scheduler.num_blend_fallbacks
         snapshot.extra = {"cache": cache}
-        if self.offload is not None:
-            self._add_tier_stats(snapshot)
+        for source in self.scheduler.sources:
+            source.add_stats(snapshot)
         return snapshot
-
-    def _add_tier_stats(self, snapshot: EngineStats) -> None:
-        counters, stores = self.offload.stats()
-        snapshot.tier_hit_tokens = counters.hit_tokens
-        snapshot.tier_loaded_blocks = counters.loaded_blocks
-        snapshot.tier_loaded_bytes = counters.loaded_bytes
-        snapshot.tier_load_s = counters.load_s
-        snapshot.tier_load_misses = counters.load_misses
-        snapshot.tier_stale_loads = counters.stale_loads
-        snapshot.tier_offered_blocks = counters.offered_blocks
-        snapshot.tier_offered_bytes = counters.offered_bytes
-        snapshot.tier_save_s = counters.save_s
-        snapshot.tier_install_s = counters.install_s
-        snapshot.tier_load_timeouts = counters.load_timeouts
-        snapshot.tier_stalled_skips = counters.stalled_skips
-        snapshot.tiers = stores
 
     def cached_prefix(self, hasher: Any, num_tokens: int) -> int:
         """Leading blocks of a hashed token sequence the pool holds now, and after them the
@@ -206,8 +188,8 @@ class EngineCore:
     def _serve(self) -> None:
         while True:
             block = not self.scheduler.has_work()
-            # Parked requests time out of their tier loads (offload.py): poll while any wait.
-            timeout = LOAD_POLL_S if self.scheduler.loading else None
+            # Requests waiting for K/V may time out of their loads: poll while any wait.
+            timeout = LOAD_POLL_S if self.scheduler.waiting_for_kv else None
             try:
                 while True:
                     command, arg = self._inbox.get(block=block, timeout=timeout)
@@ -271,7 +253,7 @@ class EngineCore:
             stats = self.stats
             stats.steps += 1
             stats.peak_used_blocks = max(
-                stats.peak_used_blocks, self.kv.pool.num_blocks - self.kv.num_free_blocks
+                stats.peak_used_blocks, self.kv.num_blocks - self.kv.num_free_blocks
             )
             stats.model_s += result.forward_s
             stats.step_s += time.perf_counter() - started
@@ -285,7 +267,7 @@ class EngineCore:
         if self.offload is None:
             return
         with self.lock:
-            blocks = written_blocks(batch, self.kv.pool, self.kv.block_size)
+            blocks = written_blocks(batch, self.kv)
         self.offload.save_written(blocks)
 
     def _count(self, batch: SchedulerOutput, now: float) -> None:

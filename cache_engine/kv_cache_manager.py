@@ -73,6 +73,40 @@ class KVCacheManager:
         self._stats = CacheStats(num_blocks=num_blocks)
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the whole pool."""
+        return self.pool.num_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks whose hash was dropped to hand them out again."""
+        return self.pool.num_evictions
+
+    @property
+    def generations(self) -> list[int]:
+        """Per block, bumped whenever its K/V may change (the live list: do not mutate)."""
+        return self.pool.generation
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Take a reference on blocks a request reads but does not own (a KV source's plan)."""
+        self.pool.touch(block_ids)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Drop the references :meth:`pin` took."""
+        self.pool.free(block_ids)
+
+    def registered(self, block_id: int) -> tuple[bytes, bytes] | None:
+        """``(hash, hash input)`` when the block is the prefix cache's copy of its hash,
+        else None (an unregistered block, or a private copy of one registered elsewhere)."""
+        pool = self.pool
+        block_hash = pool.block_hash[block_id]
+        if block_hash is None or pool.cached.get(block_hash) != block_id:
+            return None
+        hash_input = pool.hash_input[block_id]
+        assert hash_input is not None  # set with the hash
+        return block_hash, hash_input
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks ``allocate_slots`` can still hand out (cached-but-free ones included)."""
         return self.pool.num_free_blocks

@@ -19,15 +19,17 @@ the blocks before any later step can overwrite them) and the copy to pinned host
 a side stream; the offer carries the copy's event, which the tiers' writer waits on before
 reading (this CUDA path is untested here: no GPU in CI).
 
-Read path (the scheduler drives it, stepping thread)::
+Read path: ``KVOffload`` is one of the scheduler's KV sources (:mod:`.kv_source`)::
 
-    pool prefix ends at block i  ->  begin(): KVTiers.lookup(hashes[i:cap])   (cheap, unverified)
-      nothing there -> admit as usual
-      a run there   -> the request is parked; a loader thread loads (and verifies) the run
-                       into CPU staging, stopping at the first miss, then wakes the engine
-    parked request ready -> take(): staged payloads continuing the pool prefix
-      -> allocate pool blocks -> install(): copy into them (all layers); the pool registers
-         them, so later requests hit the pool -> prefill starts after the last loaded token
+    pool prefix ends at block i  ->  match(): KVTiers.lookup(hashes[i:cap])   (cheap, unverified)
+      nothing there -> None: admit as usual
+      a run there   -> load_pending: the request waits for KV; a loader thread loads (and
+                       verifies) the run into CPU staging, stopping at the first miss, then
+                       wakes the engine
+    waiting request ready -> match(): the staged payloads continuing the pool prefix
+      -> the manager allocates pool blocks -> allocated(): copy into them (all layers); the
+         pool registers them, so later requests hit the pool -> prefill starts after the
+         last loaded token
 
 So a step never waits for another request's loads: the slow part (reading, checksumming)
 runs in the loader thread while the engine keeps stepping other requests, and the request
@@ -52,12 +54,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragkv.cache_engine.config import DEFAULT_KV_LOAD_TIMEOUT_S
+from ragkv.cache_engine.kv_source import KVMatch
 from ragkv.cache_engine.tier_loader import StagedBlocks, TierLoader
 
 if TYPE_CHECKING:
-    from ragkv.cache_engine.block_pool import BlockPool
     from ragkv.cache_engine.config import EngineConfig
+    from ragkv.cache_engine.kv_cache_manager import KVCacheManager
     from ragkv.cache_engine.model_runner import ModelRunner
+    from ragkv.cache_engine.outputs import EngineStats
     from ragkv.cache_engine.request import Request
     from ragkv.cache_engine.step import SchedulerOutput
 
@@ -123,21 +127,22 @@ class WrittenBlock:
     salted: bool
 
 
-def written_blocks(batch: SchedulerOutput, pool: BlockPool, block_size: int) -> list[WrittenBlock]:
+def written_blocks(batch: SchedulerOutput, kv: KVCacheManager) -> list[WrittenBlock]:
     """Blocks that became full in this step's slices and are the pool's registered copy.
 
     A slice ``[start, end)`` completes blocks ``start // block_size .. end // block_size - 1``
     (those holding one of its tokens and ending by ``end``). Call after the forward ran.
     """
     out: list[WrittenBlock] = []
+    block_size = kv.block_size
     for chunk in batch.slices:
         salted = chunk.request.salt_digest is not None
         for i in range(chunk.start // block_size, chunk.end // block_size):
             block_id = chunk.block_table[i]
-            block_hash = pool.block_hash[block_id]
-            if block_hash is None or pool.cached.get(block_hash) != block_id:
+            registered = kv.registered(block_id)
+            if registered is None:
                 continue  # unregistered: a private copy, or never to be shared
-            out.append(WrittenBlock(block_id, block_hash, pool.hash_input[block_id], salted))
+            out.append(WrittenBlock(block_id, *registered, salted))
     return out
 
 
@@ -180,6 +185,9 @@ class TierCounters:
 class KVOffload:
     """Moves K/V between one engine's pool and its :class:`KVTiers`; owns the loader thread.
 
+    The write path is called by the engine core after each forward; the read path is a
+    :class:`~ragkv.cache_engine.kv_source.KVSource` the engine hands its scheduler.
+
     ``wake`` is called (from the loader thread) when a parked request's loads are done, so
     an idle stepping thread picks it up at once.
     """
@@ -188,12 +196,14 @@ class KVOffload:
         self,
         tiers: Any,
         runner: ModelRunner,
+        kv: KVCacheManager,
         *,
         max_staged_blocks: int,
         load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.tiers = tiers
+        self.kv = kv  # read only: the request's block hashes up to the reuse cap
         self.kv_caches = runner.kv_caches
         self.device = runner.device
         self.dtype = runner.dtype
@@ -268,23 +278,93 @@ class KVOffload:
             self.counters.offered_blocks += len(blocks)
             self.counters.offered_bytes += len(blocks) * self.block_bytes
 
-    # -- read path (scheduler, stepping thread) ------------------------------------------
-    def may_look_up(self, request: Request) -> bool:
-        """Whether :meth:`begin` may look the request up now (cheap: ask before hashing)."""
-        return request.request_id not in self._probed
+    # -- read path: a KV source (scheduler, stepping thread; see kv_source.py) -------------
+    name = "tiers"
 
-    def begin(
-        self, request: Request, hashes: Sequence[bytes], inputs: Sequence[bytes], first_block: int
-    ) -> bool:
-        """Start loading the tiers' run of blocks ``first_block ..`` of ``hashes``.
+    def match(self, request: Request, num_computed: int) -> KVMatch | None:
+        """Exact K/V of the blocks after the pool's prefix, when the tiers hold them.
 
-        ``hashes``/``inputs`` are the request's block hashes up to the reuse cap
-        (Invariant 4). True when loads started: the request waits until :meth:`is_ready`.
-        False (nothing to wait for) when the tiers hold none of the next blocks, when the
-        request was looked up since its last admission, or when staging is full.
+        The first time a request is asked about (since its last admission) its next blocks
+        are looked up; a run found starts loads, and the request waits for them
+        (``load_pending``). Once they are staged the match offers the staged blocks that
+        still continue the pool's prefix. A stale staged run (the pool lost blocks before it
+        while the request waited) may be looked up once more (bounded by ``MAX_LOOKUPS``).
         """
+        num_pool_blocks = num_computed // self.block_size
+        if self._begin(request, num_pool_blocks):
+            return KVMatch(load_pending=True)
+        staged = self._take(request, num_pool_blocks)
+        if staged is None:
+            return KVMatch(load_pending=True) if self._begin(request, num_pool_blocks) else None
+        return KVMatch(num_tokens=len(staged) * self.block_size, handle=staged)
+
+    def is_ready(self, request: Request) -> bool:
+        """True once a parked request's loads are done, or abandoned at their deadline."""
+        return self.loader.is_ready(request.request_id)
+
+    def allocated(
+        self,
+        request: Request,
+        match: KVMatch | None,
+        block_table: list[int],
+        num_pool_blocks: int,
+    ) -> None:
+        """Install the staged blocks after the pool prefix; count where the reused prompt
+        tokens came from (pool, host, disk); the request may be looked up again later."""
+        staged: StagedBlocks | None = None if match is None else match.handle
+        if staged is not None:
+            self._install(staged, block_table[num_pool_blocks : num_pool_blocks + len(staged)])
+        pool_tokens = num_pool_blocks * self.block_size
+        if request.cached_tokens_by_tier is None:  # its first admission
+            by_tier = {POOL: pool_tokens}
+            if staged is not None:
+                for tier, tokens in staged.tokens_by_tier(self.block_size).items():
+                    by_tier[tier] = by_tier.get(tier, 0) + tokens
+            request.cached_tokens_by_tier = by_tier
+        with self._lock:
+            self.counters.hit_tokens[POOL] = self.counters.hit_tokens.get(POOL, 0) + pool_tokens
+        self.release(request)
+
+    def computed(self, request: Request) -> None:
+        pass  # written blocks go to the tiers from the engine core (save_written)
+
+    def release(self, request: Request) -> None:
+        """Forget the request's staged payloads (and cancel its loads, if any are running),
+        and that it was looked up."""
+        self.loader.release(request.request_id)
+        self._probed.discard(request.request_id)
+        self._lookups.pop(request.request_id, None)
+
+    def add_stats(self, stats: EngineStats) -> None:
+        counters, stores = self.stats()
+        stats.tier_hit_tokens = counters.hit_tokens
+        stats.tier_loaded_blocks = counters.loaded_blocks
+        stats.tier_loaded_bytes = counters.loaded_bytes
+        stats.tier_load_s = counters.load_s
+        stats.tier_load_misses = counters.load_misses
+        stats.tier_stale_loads = counters.stale_loads
+        stats.tier_offered_blocks = counters.offered_blocks
+        stats.tier_offered_bytes = counters.offered_bytes
+        stats.tier_save_s = counters.save_s
+        stats.tier_install_s = counters.install_s
+        stats.tier_load_timeouts = counters.load_timeouts
+        stats.tier_stalled_skips = counters.stalled_skips
+        stats.tiers = stores
+
+    def loader_health(self) -> dict[str, Any]:
+        """The loader's progress (:meth:`TierLoader.health`)."""
+        return self.loader.health()
+
+    def _begin(self, request: Request, first_block: int) -> bool:
+        """Start loading the tiers' run of the request's blocks ``first_block ..`` (up to the
+        reuse cap, Invariant 4). True when loads started. False (nothing to wait for) when
+        the tiers hold none of the next blocks, when the request was looked up since its
+        last admission, or when staging is full."""
         request_id = request.request_id
-        if request_id in self._probed or first_block >= len(hashes):
+        if request_id in self._probed:
+            return False
+        hashes, inputs = self.kv.reusable_hashes(request)
+        if first_block >= len(hashes):
             return False
         self._probed.add(request_id)
         self._lookups[request_id] = self._lookups.get(request_id, 0) + 1
@@ -298,23 +378,13 @@ class KVOffload:
             request_id, first_block, hashes[first_block:end], inputs[first_block:end]
         )
 
-    def is_ready(self, request: Request) -> bool:
-        """True once a parked request's loads are done, or abandoned at their deadline."""
-        return self.loader.is_ready(request.request_id)
-
-    def loader_health(self) -> dict[str, Any]:
-        """The loader's progress (:meth:`TierLoader.health`)."""
-        return self.loader.health()
-
-    def take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
+    def _take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
         """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
 
-        Blocks the pool now holds itself are skipped. A gap (while the request waited, the
-        pool evicted blocks of its prefix before the staged run) makes the staged run
-        useless: it is dropped and, up to ``MAX_LOOKUPS`` per admission, the request may be
-        looked up again (the lost blocks went to the tiers when they were written), so the
-        caller parks it once more instead of computing the whole rest. Nothing is consumed
-        until :meth:`install`.
+        Blocks the pool now holds itself are skipped. A gap makes the staged run useless:
+        it is dropped and, up to ``MAX_LOOKUPS`` per admission, the request may be looked
+        up again (the lost blocks went to the tiers when they were written). Nothing is
+        consumed until :meth:`_install`.
         """
         request_id = request.request_id
         staged = self.loader.ready(request_id)
@@ -338,8 +408,8 @@ class KVOffload:
             staged.tiers[skip:],
         )
 
-    def install(self, request: Request, staged: StagedBlocks, block_ids: Sequence[int]) -> None:
-        """Copy ``staged`` into pool blocks ``block_ids`` (every layer), then forget it."""
+    def _install(self, staged: StagedBlocks, block_ids: Sequence[int]) -> None:
+        """Copy ``staged`` into pool blocks ``block_ids`` (every layer)."""
         started = time.perf_counter()
         payload = torch.stack(staged.payloads)
         if self.device.type == "cuda":
@@ -353,22 +423,6 @@ class KVOffload:
             for tier, tokens in staged.tokens_by_tier(self.block_size).items():
                 counters.hit_tokens[tier] = counters.hit_tokens.get(tier, 0) + tokens
             counters.install_s += time.perf_counter() - started
-        self.drop(request)
-
-    def admitted(self, request: Request, num_pool_blocks: int) -> None:
-        """The request was admitted: count its pool hits; it may be looked up again later."""
-        with self._lock:
-            tokens = num_pool_blocks * self.block_size
-            self.counters.hit_tokens[POOL] = self.counters.hit_tokens.get(POOL, 0) + tokens
-        self._probed.discard(request.request_id)
-        self._lookups.pop(request.request_id, None)
-
-    def drop(self, request: Request) -> None:
-        """Forget the request's staged payloads (and cancel its loads, if any are running),
-        and that it was looked up."""
-        self.loader.release(request.request_id)
-        self._probed.discard(request.request_id)
-        self._lookups.pop(request.request_id, None)
 
     # -- lifetime --------------------------------------------------------------------------
     def stats(self) -> tuple[TierCounters, dict[str, Any]]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # out of the queue while a KV source loads its K/V
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -65,6 +66,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     blend: BlendPlan | None = None  # set when admitted with reused chunks (approximate)
+    pinned_blocks: list[int] = field(default_factory=list)  # read by its next step, not owned
     blend_tried: bool = False  # planned once, at first admission; a recompute is exact
     chunks_recorded: bool = False
     reused_nonprefix_tokens: int = 0

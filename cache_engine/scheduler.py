@@ -18,6 +18,12 @@ the pool, at most ``MAX_SKIP_AHEAD`` requests behind it that do fit are admitted
 a step; a request is passed at most ``MAX_TIMES_SKIPPED`` times in all, then it waits at the
 head until it fits (bounded: a large request is delayed, never starved).
 
+K/V that does not come from the pool's prefix cache (the KV tiers, chunk reuse) comes from
+the KV sources handed to the scheduler (:mod:`~ragkv.cache_engine.kv_source`): each is asked
+in order what it offers after the pool's prefix; a source that must load first sends the
+request out of the queue to wait for K/V (``RequestStatus.WAITING_FOR_KV``) while others
+step, and it is put back at the front once its K/V is ready.
+
 A request whose own scheduling work raises (hashing its blocks, a lookup, an allocation)
 is taken out of the queues alone and reported in ``SchedulerOutput.failed``; the others
 are scheduled as if it had never been there (Invariant 9).
@@ -30,16 +36,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
-from ragkv.cache_engine.chunk_reuse import BlendPlan, ChunkIndex
-from ragkv.cache_engine.chunk_reuse.scheduling import (
-    admit_blended,
-    plan_request,
-    record_chunks,
-    release_pins,
-)
 from ragkv.cache_engine.config import DEFAULTS, EngineConfig
+from ragkv.cache_engine.kv_source import KVMatch, KVSource
 from ragkv.cache_engine.request import Request, RequestStatus
 from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import CacheCapacityError, PromptTooLongError
@@ -58,22 +57,19 @@ class Scheduler:
         kv_manager,
         config: EngineConfig = DEFAULTS,
         max_model_len: int | None = None,
-        chunk_index: ChunkIndex | None = None,
+        sources: Sequence[KVSource] = (),
     ) -> None:
         # Reads max_num_seqs, max_num_batched_tokens, enable_prefix_caching and
         # schedule_policy from ``config`` (validated when it was built).
         self.kv = kv_manager
         self.config = config
         self.max_model_len = max_model_len
-        self.chunk_index = chunk_index  # None: no chunk reuse, nothing recorded
+        self.sources = tuple(sources)  # asked in this order (kv_source.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests waiting for a source's K/V, and the source they wait for.
+        self.waiting_for_kv: dict[str, tuple[Request, KVSource]] = {}
         self.num_preemptions = 0
-        self.num_blend_fallbacks = 0  # opted-in requests run exactly: too big for one step
-        # KV tiers below the pool (an offload.KVOffload, set by the engine; None: off) and
-        # the requests parked while their tier loads run (see _park_for_tier_loads).
-        self.tiers: Any = None
-        self.loading: dict[str, Request] = {}
 
     # -- queue management -------------------------------------------------------------
     def blocks_needed(self, request: Request) -> int:
@@ -86,20 +82,20 @@ class Scheduler:
     def check_fits(self, request: Request) -> None:
         """Raise if the request could never fit the whole pool, even running alone."""
         prompt_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-        if prompt_blocks > self.kv.pool.num_blocks:
+        if prompt_blocks > self.kv.num_blocks:
             raise PromptTooLongError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {prompt_blocks} KV blocks "
-                f"but the whole pool has {self.kv.pool.num_blocks} (block size "
+                f"but the whole pool has {self.kv.num_blocks} (block size "
                 f"{self.kv.block_size}); shorten the prompt or raise kv_cache_tokens",
                 param="prompt",
             )
         needed = self.blocks_needed(request)
-        if needed > self.kv.pool.num_blocks:
+        if needed > self.kv.num_blocks:
             raise CacheCapacityError(
                 f"request {request.request_id} needs {needed} KV blocks "
                 f"({request.num_prompt_tokens} prompt tokens + max_tokens "
                 f"{request.params.max_tokens}, block size {self.kv.block_size}) but the whole "
-                f"pool has {self.kv.pool.num_blocks}; raise kv_cache_tokens or lower max_tokens",
+                f"pool has {self.kv.num_blocks}; raise kv_cache_tokens or lower max_tokens",
                 param="max_tokens",
             )
 
@@ -110,11 +106,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def has_work(self) -> bool:
-        """Whether a step now would schedule something (parked requests wait for loads)."""
-        return bool(self.waiting or self.running or self._any_loaded())
+        """Whether a step now would schedule something (some may wait for K/V)."""
+        return bool(
+            self.waiting
+            or self.running
+            or any(source.is_ready(r) for r, source in self.waiting_for_kv.values())
+        )
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and release its blocks (they stay cached until reused)."""
@@ -125,8 +125,7 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-        release_pins(self.kv, request)
-        self._forget_tier_loads(request)
+        self._release(request)
         self.kv.free(request)
 
     # -- the step ---------------------------------------------------------------------
@@ -168,7 +167,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self._resume_loaded()
+        self._resume_ready()
         if self.config.schedule_policy == "longest-prefix" and len(self.waiting) > 1:
             self._order_by_cached_prefix(out)
         elif len(self.waiting) > 1:
@@ -183,39 +182,25 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
-                blocks, num_computed, staged = [], 0, None
+                blocks, num_computed = [], 0
                 if self.config.enable_prefix_caching:
                     blocks, num_computed = self.kv.get_computed_blocks(request, record=False)
-                    if self.tiers is not None:
-                        if self._park_for_tier_loads(request, len(blocks)):
-                            continue
-                        staged = self.tiers.take(request, len(blocks))
-                        # a stale staged run (the pool lost blocks before it): look again
-                        if staged is None and self._park_for_tier_loads(request, len(blocks)):
-                            continue
-                num_loaded = len(staged) * self.kv.block_size if staged else 0
-                plan = self._plan_blend(request, num_computed + num_loaded)
-                allocated = None
-                if plan is not None:
-                    if len(plan.positions) > budget:  # one step, whole: wait for room
-                        break
-                    num_new = len(plan.positions)
-                    allocated = admit_blended(self.kv, request, plan, blocks, num_computed)
-                if allocated is None:  # the exact path (also when pinning left no room)
-                    num_new = min(request.num_tokens - num_computed - num_loaded, budget)
-                    allocated = self.kv.allocate_slots(request, num_loaded + num_new, blocks)
-                    if allocated is not None and plan is not None:
-                        self.num_blend_fallbacks += 1
-                        plan = None
-                if allocated is not None and staged:
-                    self._install_loaded(request, staged, len(blocks))
+                matches = self._match_sources(request, num_computed)
+                if matches is None:  # gone to wait for K/V
+                    continue
+                offered = bool(matches)
+                admitted = self._allocate(request, blocks, num_computed, matches, budget)
+                if admitted is not None:
+                    table = self.kv.block_table(request)
+                    used = {id(source): match for source, match in matches}
+                    for source in self.sources:
+                        source.allocated(request, used.get(id(source)), table, len(blocks))
             except Exception as exc:  # its own blocks' hashing or allocation: it alone fails
                 self._fail(request, exc, out)
                 continue
-            if allocated is None:
+            if admitted is None:
                 if (
-                    not staged
-                    and plan is None
+                    not offered
                     and len(passed) < MAX_SKIP_AHEAD
                     and request.num_skipped < MAX_TIMES_SKIPPED
                     and len(self.waiting) > 1
@@ -224,31 +209,72 @@ class Scheduler:
                     passed.append(self.waiting.popleft())
                     continue
                 break
-            request.blend_tried = True
             if self.config.enable_prefix_caching:  # counted once admitted, not per retry
                 self.kv.record_lookup(request.num_tokens, len(blocks))
-                if self.tiers is not None:
-                    self.tiers.admitted(request, len(blocks))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            num_computed += num_loaded
+            num_computed += sum(match.num_tokens for _, match in matches)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
-                if self.tiers is not None:
-                    request.cached_tokens_by_tier = _tokens_by_tier(
-                        len(blocks) * self.kv.block_size, staged, self.kv.block_size
-                    )
             self.running.append(request)
+            num_new, positions = admitted
+            start = num_computed if positions is None else request.num_tokens - num_new
             block_table = self.kv.block_table(request)
-            if plan is None:
-                out.slices.append(ScheduledSlice(request, num_computed, num_new, block_table))
-            else:  # explicit positions: the slice ends at the prompt's end (its ``end``)
-                start = request.num_tokens - num_new
-                out.slices.append(
-                    ScheduledSlice(request, start, num_new, block_table, positions=plan.positions)
-                )
+            out.slices.append(ScheduledSlice(request, start, num_new, block_table, positions))
             budget -= num_new
+
+    def _match_sources(
+        self, request: Request, num_computed: int
+    ) -> list[tuple[KVSource, KVMatch]] | None:
+        """What the sources offer after the pool's ``num_computed`` tokens, in order; None
+        when one must load first (the request has left the queue to wait for it)."""
+        matches: list[tuple[KVSource, KVMatch]] = []
+        for source in self.sources:
+            match = source.match(request, num_computed)
+            if match is None:
+                continue
+            if match.load_pending:
+                self.waiting.popleft()
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.waiting_for_kv[request.request_id] = (request, source)
+                return None
+            matches.append((source, match))
+            if match.positions is not None:  # it computes the rest: no later source
+                break
+            num_computed += match.num_tokens
+        return matches
+
+    def _allocate(
+        self,
+        request: Request,
+        blocks: list[int],
+        num_computed: int,
+        matches: list[tuple[KVSource, KVMatch]],
+        budget: int,
+    ) -> tuple[int, list[int] | None] | None:
+        """Allocate the request's blocks: ``(tokens computed this step, explicit positions or
+        None)``, or None when they do not fit (nothing changed). A match with positions
+        that cannot be placed is dropped from ``matches`` for the exact path."""
+        last = matches[-1][1] if matches else None
+        if last is not None and last.positions is not None:
+            if len(last.positions) > budget:  # one step, whole: wait for room
+                return None
+            # Pin its sources first: a free source block would be the next one handed out.
+            self.kv.pin(last.pinned)
+            self.kv.limit_caching(request, last.cache_until)
+            num_tokens = request.num_tokens - num_computed
+            if self.kv.allocate_slots(request, num_tokens, blocks) is not None:
+                request.pinned_blocks = list(last.pinned)
+                return len(last.positions), last.positions
+            self.kv.limit_caching(request, None)
+            self.kv.unpin(last.pinned)
+            matches.pop()  # the exact path (counted as a fallback by its source)
+        num_external = sum(match.num_tokens for _, match in matches)
+        num_new = min(request.num_tokens - num_computed - num_external, budget)
+        if self.kv.allocate_slots(request, num_external + num_new, blocks) is None:
+            return None
+        return num_new, None
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
         """Take in what the step computed: ``sampled[i]`` is the token of the i-th sampling chunk.
@@ -260,14 +286,9 @@ class Scheduler:
         for chunk in out.slices:
             request = chunk.request
             request.num_computed_tokens = chunk.end
-            release_pins(self.kv, request)
-            if (
-                request.chunk_spans
-                and not request.chunks_recorded
-                and self.chunk_index is not None
-                and request.num_computed_tokens >= request.num_prompt_tokens
-            ):
-                record_chunks(self.chunk_index, self.kv, request)
+            self._unpin(request)
+            for source in self.sources:
+                source.computed(request)
         sampling = [chunk.request for chunk in out.slices if chunk.samples]
         now = time.perf_counter()
         for request, token in zip(sampling, sampled, strict=True):
@@ -287,19 +308,6 @@ class Scheduler:
         if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _plan_blend(self, request: Request, num_computed: int) -> BlendPlan | None:
-        """An opted-in request's blended prefill at first admission, or None (exact path).
-
-        A plan larger than one step's token budget falls back to the exact path (counted)."""
-        if request.reuse is None or request.blend_tried or self.chunk_index is None:
-            return None
-        plan = plan_request(request, num_computed, self.chunk_index, self.kv)
-        if plan is not None and len(plan.positions) > self.config.max_num_batched_tokens:
-            request.blend_tried = True
-            self.num_blend_fallbacks += 1
-            return None
-        return plan
 
     def _order_fairly(self) -> None:
         """Round-robin across salts (tenants), each salt's requests in queue order; salts
@@ -329,44 +337,29 @@ class Scheduler:
         ranked = sorted(self.waiting, key=lambda r: (-cached[r], r.arrival_time))
         self.waiting = deque(ranked)
 
-    # -- KV tiers (see cache_engine/offload.py) --------------------------------------------
-    def _park_for_tier_loads(self, request: Request, num_pool_blocks: int) -> bool:
-        """Park the head request while the tiers load the blocks after its pool prefix.
-
-        True when loads started: the request leaves ``waiting`` for ``loading`` and other
-        requests are scheduled meanwhile; :meth:`_resume_loaded` puts it back once its
-        payloads are staged in memory, and this is not asked again before it is admitted.
-        """
-        if not self.tiers.may_look_up(request):
-            return False
-        hashes, inputs = self.kv.reusable_hashes(request)
-        if not self.tiers.begin(request, hashes, inputs, num_pool_blocks):
-            return False
-        self.waiting.popleft()
-        self.loading[request.request_id] = request
-        return True
-
-    def _install_loaded(self, request: Request, staged: Any, num_pool_blocks: int) -> None:
-        """Copy staged tier payloads into the blocks just allocated after the pool prefix."""
-        table = self.kv.block_table(request)
-        self.tiers.install(request, staged, table[num_pool_blocks : num_pool_blocks + len(staged)])
-
-    def _resume_loaded(self) -> None:
-        """Parked requests whose loads are done go back to the front, oldest first."""
-        if not self.loading:
+    # -- KV sources (see cache_engine/kv_source.py) ----------------------------------------
+    def _resume_ready(self) -> None:
+        """Requests whose K/V is ready go back to the front, oldest first."""
+        if not self.waiting_for_kv:
             return
-        ready = [r for r in self.loading.values() if self.tiers.is_ready(r)]
+        ready = [r for r, source in self.waiting_for_kv.values() if source.is_ready(r)]
         for request in sorted(ready, key=lambda r: r.arrival_time, reverse=True):
-            del self.loading[request.request_id]
+            del self.waiting_for_kv[request.request_id]
+            request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
-    def _any_loaded(self) -> bool:
-        return any(self.tiers.is_ready(r) for r in self.loading.values())
+    def _unpin(self, request: Request) -> None:
+        """Drop the references on blocks its step read from (idempotent)."""
+        if request.pinned_blocks:
+            self.kv.unpin(request.pinned_blocks)
+            request.pinned_blocks = []
 
-    def _forget_tier_loads(self, request: Request) -> None:
-        if self.tiers is not None:
-            self.loading.pop(request.request_id, None)
-            self.tiers.drop(request)
+    def _release(self, request: Request) -> None:
+        """It leaves (finished, failed or preempted): its pins go, the sources forget it."""
+        self._unpin(request)
+        self.waiting_for_kv.pop(request.request_id, None)
+        for source in self.sources:
+            source.release(request)
 
     def _fail(self, request: Request, exc: Exception, out: SchedulerOutput) -> None:
         """Take a request whose own processing raised out of the queues, alone.
@@ -384,13 +377,12 @@ class Scheduler:
                 self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = "abort"
-        release_pins(self.kv, request)
-        self._forget_tier_loads(request)
+        self._release(request)
         self.kv.discard(request, request.num_computed_tokens)
         out.failed.append((request, exc))
 
     def _preempt(self, request: Request) -> None:
-        release_pins(self.kv, request)
+        self._release(request)
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -398,12 +390,3 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
-
-
-def _tokens_by_tier(pool_tokens: int, staged: Any, block_size: int) -> dict[str, int]:
-    """A request's reused prompt tokens by where they came from (pool, host, disk)."""
-    counts = {"pool": pool_tokens}
-    if staged:
-        for tier, tokens in staged.tokens_by_tier(block_size).items():
-            counts[tier] = counts.get(tier, 0) + tokens
-    return counts

@@ -108,11 +108,11 @@ class SimulatedEngine:
         blocks, cached = kv.get_computed_blocks(request)
         output = [self._filler] * params.max_tokens
         total = len(token_ids) + len(output)
-        if kv.blocks_needed(total) > kv.pool.num_blocks:
+        if kv.blocks_needed(total) > kv.num_blocks:
             kv.free(request)
             raise PromptTooLongError(
                 f"prompt of {len(token_ids)} tokens plus {len(output)} to generate needs "
-                f"{kv.blocks_needed(total)} blocks; the pool has {kv.pool.num_blocks}"
+                f"{kv.blocks_needed(total)} blocks; the pool has {kv.num_blocks}"
             )
         if kv.allocate_slots(request, len(token_ids) - cached, blocks) is None:
             raise RuntimeError("the simulated pool is full with one request in flight")
@@ -158,7 +158,7 @@ class SimulatedEngine:
     def stats(self) -> EngineStats:
         """Counters as the engine keeps them (prefill computed and reused, evictions, pool)."""
         stats = self._stats
-        stats.evictions = self.kv.pool.num_evictions
+        stats.evictions = self.kv.num_evictions
         stats.num_free_blocks = self.kv.num_free_blocks
         return stats
 

@@ -127,7 +127,7 @@ def while_parked(eng, tiers, parked: int, other: int):
 
     thread = threading.Thread(target=run_parked)
     thread.start()
-    while not eng.scheduler.loading:  # parked, its loads waiting at the gate
+    while not eng.scheduler.waiting_for_kv:  # waiting for K/V, its loads waiting at the gate
         threading.Event().wait(0.01)
     out = eng.generate(ids(other, 100), GREEDY, return_logits=True)
     assert not done.is_set()  # still parked while the other one ran start to end
@@ -187,13 +187,15 @@ def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference
         stream = eng.stream(ids(0, 100), GREEDY)
         thread = threading.Thread(target=lambda: list(stream))
         thread.start()
-        while not eng.scheduler.loading:  # parked, its first load waiting at the gate
+        while (
+            not eng.scheduler.waiting_for_kv
+        ):  # waiting for K/V, its first load waiting at the gate
             threading.Event().wait(0.01)
-        [request] = eng.scheduler.loading.values()
+        [(request, _)] = eng.scheduler.waiting_for_kv.values()
         eng.abort(request.request_id)
         tiers.gate.set()
         thread.join(timeout=30)
-        assert not eng.scheduler.loading and not eng.core.offload.loader._ready
+        assert not eng.scheduler.waiting_for_kv and not eng.core.offload.loader._ready
         assert eng.core.offload.loader.staged_blocks == 0
         assert_same(eng.generate(ids(1, 100), GREEDY, return_logits=True), reference[1])
 
