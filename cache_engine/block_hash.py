@@ -28,6 +28,9 @@ ExtraKeys = Sequence[tuple[str, bytes | str]]
 
 _ROOT_LABEL = b"ragkv/block_hash/root/v1"
 _SALT_LABEL = b"ragkv/cache_salt/v1\0"
+# Keys of blocks holding approximate K/V (chunk reuse) start their hash input with this, so
+# no exact block's input (which starts with its parent's digest) can equal one.
+APPROXIMATE_LABEL = b"ragkv/block_hash/approximate/v1\0"
 # A salt names a tenant or a user; 256 bytes is room for any id or token and keeps hashing
 # a salt, done in the caller's thread, trivially cheap.
 MAX_SALT_BYTES = 256
@@ -224,6 +227,16 @@ class BlockHasher:
         new = first[0] + hashes
         self.hashes += new
         return new
+
+
+def approximate_keys(
+    inputs: Sequence[bytes], scope: bytes, one: HashFn
+) -> tuple[list[bytes], list[bytes]]:
+    """``(hashes, inputs)`` naming blocks of approximate K/V: block ``i`` under ``scope`` (the
+    reuse settings that made it), for the exact block input ``inputs[i]`` (its parent's hash,
+    its tokens and extras: the whole prefix and the salt). An exact lookup never makes one."""
+    keyed = [APPROXIMATE_LABEL + scope + b"\0" + data for data in inputs]
+    return [one(data) for data in keyed], keyed
 
 
 def block_hashes(

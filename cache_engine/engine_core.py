@@ -279,6 +279,9 @@ class EngineCore:
                 stats.prompt_tokens += request.num_prompt_tokens
                 stats.prefill_tokens_reused += request.num_cached_tokens or 0
                 stats.prefill_tokens_reused_nonprefix += request.reused_nonprefix_tokens
+                stats.prefill_tokens_reused_approximate_prefix += (
+                    request.reused_approximate_prefix_tokens
+                )
             if chunk.num_tokens == 1 and chunk.start >= request.num_prompt_tokens:
                 stats.decode_tokens += 1
             else:

@@ -20,7 +20,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ragkv.cache_engine.block_hash import BlockHasher, HashFn, encode_extra_keys
+from ragkv.cache_engine.block_hash import (
+    APPROXIMATE_LABEL,
+    BlockHasher,
+    HashFn,
+    approximate_keys,
+    encode_extra_keys,
+    resolve_algo,
+)
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
 from ragkv.cache_engine.config import DEFAULTS
@@ -45,7 +52,8 @@ class _RequestState:
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading full blocks already registered (or skipped)
     cacheable: bool = True  # False after a collision: later hashes chain off a shared key
-    cache_limit: int | None = None  # tokens past this hold approximate K/V: never registered
+    cache_limit: int | None = None  # tokens past this hold approximate K/V: not exact
+    approximate_scope: bytes | None = None  # blocks past cache_limit are keyed so (None: never)
 
 
 class KVCacheManager:
@@ -68,6 +76,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self._algo = algo
+        self._one = resolve_algo(algo)  # approximate keys (stepping thread)
         self._extra = encode_extra_keys(extra_keys)
         self._requests: dict[Hashable, _RequestState] = {}
         self._stats = CacheStats(num_blocks=num_blocks)
@@ -96,14 +105,16 @@ class KVCacheManager:
         self.pool.free(block_ids)
 
     def registered(self, block_id: int) -> tuple[bytes, bytes] | None:
-        """``(hash, hash input)`` when the block is the prefix cache's copy of its hash,
-        else None (an unregistered block, or a private copy of one registered elsewhere)."""
+        """``(hash, hash input)`` when the block is the prefix cache's copy of its exact hash,
+        else None (unregistered, a private copy of one registered elsewhere, or approximate)."""
         pool = self.pool
         block_hash = pool.block_hash[block_id]
         if block_hash is None or pool.cached.get(block_hash) != block_id:
             return None
         hash_input = pool.hash_input[block_id]
         assert hash_input is not None  # set with the hash
+        if hash_input.startswith(APPROXIMATE_LABEL):
+            return None  # approximate K/V: for this pool's blend-mode requests only
         return block_hash, hash_input
 
     @property
@@ -163,6 +174,20 @@ class KVCacheManager:
         max_blocks = (len(request.token_ids) - 1) // self.block_size
         return hasher.hashes[:max_blocks], hasher.inputs[:max_blocks]
 
+    def approximate_prefix(
+        self, request: CacheRequest, first_block: int, scope: bytes
+    ) -> list[int]:
+        """Blocks ``first_block ..`` of the request's prompt the pool holds as approximate K/V
+        made under ``scope`` (see :meth:`limit_caching`), up to the reuse cap. Only a
+        request that accepts approximate K/V may ask; an exact lookup never finds these."""
+        if not self.enable_caching:
+            return []
+        _, inputs = self.reusable_hashes(request)
+        if first_block >= len(inputs):
+            return []
+        hashes, keyed = approximate_keys(inputs[first_block:], scope, self._one)
+        return self.pool.find_prefix(hashes, keyed)
+
     def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count one prefix lookup of ``num_tokens`` tokens that reused ``num_hit_blocks``."""
         stats = self._stats
@@ -220,10 +245,16 @@ class KVCacheManager:
             if not self.pool.ref_counts[block_id]:
                 self.pool.forget(block_id)
 
-    def limit_caching(self, request: CacheRequest, num_tokens: int | None) -> None:
-        """Register none of the request's blocks past its first ``num_tokens`` tokens (their
-        K/V is approximate: position-independent chunk reuse); None lifts the limit."""
-        self._state(request).cache_limit = num_tokens
+    def limit_caching(
+        self, request: CacheRequest, num_tokens: int | None, scope: bytes | None = None
+    ) -> None:
+        """The request's K/V past its first ``num_tokens`` tokens is approximate (chunk
+        reuse): its blocks from there are never registered under their exact keys. With a
+        ``scope`` they are registered under approximate keys of that scope instead, which
+        only :meth:`approximate_prefix` finds. ``num_tokens=None`` lifts the limit."""
+        state = self._state(request)
+        state.cache_limit = num_tokens
+        state.approximate_scope = scope if num_tokens is not None else None
 
     def block_table(self, request: CacheRequest) -> list[int]:
         """The request's block ids in token order (the live list: do not mutate)."""
@@ -272,17 +303,27 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, request: CacheRequest, state: _RequestState, num_known: int
     ) -> None:
-        if state.cache_limit is not None:
-            num_known = min(num_known, state.cache_limit)
         num_full = num_known // self.block_size
         if not self.enable_caching or not state.cacheable or num_full <= state.num_cached_blocks:
             return
         hasher = state.hasher
         _catch_up(hasher, request.token_ids)
-        for i in range(state.num_cached_blocks, num_full):
+        num_exact = num_full
+        if state.cache_limit is not None:
+            num_exact = min(num_full, state.cache_limit // self.block_size)
+        for i in range(state.num_cached_blocks, num_exact):
             if not self.pool.cache(state.block_ids[i], hasher.hashes[i], hasher.inputs[i]):
                 state.cacheable = False
-                break
+                state.num_cached_blocks = num_full
+                return
+        first = max(num_exact, state.num_cached_blocks)
+        if state.approximate_scope is not None and first < num_full:
+            hashes, keyed = approximate_keys(
+                hasher.inputs[first:num_full], state.approximate_scope, self._one
+            )
+            for offset, (key, data) in enumerate(zip(hashes, keyed, strict=True)):
+                if not self.pool.cache(state.block_ids[first + offset], key, data):
+                    break  # a collision: later approximate blocks stay private
         state.num_cached_blocks = num_full
 
 

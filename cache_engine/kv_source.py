@@ -7,12 +7,15 @@ order it was given them, at each admission attempt, and knows nothing else of th
     match = source.match(request, num_computed)   # None: nothing to offer now
       load_pending      the request waits for K/V (RequestStatus.WAITING_FOR_KV), out of
                         the waiting queue, until source.is_ready(request); others step
-      num_tokens        exact K/V of the next num_tokens tokens (whole blocks): the next
-                        source is asked after them
+      num_tokens        K/V of the next num_tokens tokens (whole blocks), written by the
+                        source into new blocks, or already in the pool (shared_blocks);
+                        exact unless ``approximate``. The next source is asked after them
       positions         the request computes only these positions, all in one step; the
-                        rest of its prompt reuses K/V the source placed (approximate from
-                        cache_until on: never registered in the prefix cache). No later
-                        source is asked.
+                        rest of its prompt reuses K/V the source placed. No later source
+                        is asked.
+      cache_until       K/V from this token on is approximate: never registered under exact
+                        keys (with a ``scope``, under approximate keys of that scope, which
+                        only KVCacheManager.approximate_prefix finds)
     source.allocated(request, match, block_table, num_pool_blocks)
                         every source, once the request holds its blocks (match is None
                         when the source offered nothing, or its offer was not used)
@@ -43,8 +46,13 @@ class KVMatch:
     num_tokens: int = 0
     load_pending: bool = False
     positions: list[int] | None = None
+    # Pool blocks already holding the ``num_tokens`` tokens: shared, not written. Only right
+    # after the pool's exact prefix (a match after one that writes its tokens is skipped).
+    shared_blocks: list[int] = field(default_factory=list)
+    approximate: bool = False  # its ``num_tokens`` are not exact: not in ``cached_tokens``
     pinned: list[int] = field(default_factory=list)  # blocks the plan reads from (positions)
-    cache_until: int | None = None  # tokens from here on hold approximate K/V (positions)
+    cache_until: int | None = None  # tokens from here on hold approximate K/V
+    scope: bytes | None = None  # approximate blocks are cached under this (None: never)
     handle: Any = None  # the source's own state, handed back to its ``allocated``
 
 

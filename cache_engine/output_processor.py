@@ -119,6 +119,7 @@ class OutputProcessor:
                 cached_tokens=request.num_cached_tokens or 0,
                 cached_tokens_by_tier=request.cached_tokens_by_tier,
                 reused_nonprefix_tokens=request.reused_nonprefix_tokens,
+                reused_approximate_prefix_tokens=request.reused_approximate_prefix_tokens,
             ),
             timings=Timings(
                 queue_s=(request.first_scheduled_time or finish) - arrival,
@@ -129,7 +130,7 @@ class OutputProcessor:
             num_preemptions=request.num_preemptions,
             logits=torch.cat(state.logits) if state.logits else None,
             logits_start=state.logits_start,
-            approximate=request.reused_nonprefix_tokens > 0,
+            approximate=request.exact_until is not None,
         )
         return StreamDelta(request.request_id, delta, tokens, output.finish_reason, output)
 

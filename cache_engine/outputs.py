@@ -26,6 +26,9 @@ class Usage:
     # Prompt tokens whose K/V was copied from another position (opt-in chunk reuse:
     # approximate); never part of ``cached_tokens``, which is exact prefix reuse only.
     reused_nonprefix_tokens: int = 0
+    # Prompt tokens whose approximate K/V (left by earlier opted-in requests with the same
+    # prefix, salt and reuse settings) was shared as a prefix: also never in ``cached_tokens``.
+    reused_approximate_prefix_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -46,6 +49,8 @@ class Usage:
                 usage["prompt_tokens_details"]["cached_tokens_by_tier"] = by_tier
         if self.reused_nonprefix_tokens:  # a ragkv extension, only on approximate answers
             usage["reused_nonprefix_tokens"] = self.reused_nonprefix_tokens
+        if self.reused_approximate_prefix_tokens:  # the same
+            usage["reused_approximate_prefix_tokens"] = self.reused_approximate_prefix_tokens
         return usage
 
 
@@ -68,8 +73,9 @@ class Output:
     ``usage.cached_tokens`` unless the request was preempted and recomputed; a request
     that reused chunks computes only some prompt positions, and its prompt rows are those.
 
-    ``approximate`` is True when chunk reuse copied K/V computed after another context
-    (``usage.reused_nonprefix_tokens`` > 0): the answer may differ from the exact one.
+    ``approximate`` is True when chunk reuse gave the request K/V computed after another
+    context (copied chunks, ``usage.reused_nonprefix_tokens``, or a prefix of approximate
+    K/V, ``usage.reused_approximate_prefix_tokens``): the answer may differ from the exact one.
     """
 
     request_id: str
@@ -106,6 +112,7 @@ class EngineStats:
     prefill_tokens_computed: int = 0
     prefill_tokens_reused: int = 0
     prefill_tokens_reused_nonprefix: int = 0  # opt-in chunk reuse (approximate)
+    prefill_tokens_reused_approximate_prefix: int = 0  # the same, shared as a prefix
     blend_fallbacks: int = 0  # opted-in requests run exactly (too big for one step)
     decode_tokens: int = 0
     preemptions: int = 0

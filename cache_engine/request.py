@@ -70,6 +70,8 @@ class Request:
     blend_tried: bool = False  # planned once, at first admission; a recompute is exact
     chunks_recorded: bool = False
     reused_nonprefix_tokens: int = 0
+    reused_approximate_prefix_tokens: int = 0  # prefix blocks of approximate K/V shared
+    exact_until: int | None = None  # its K/V is approximate from this token on (chunk reuse)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

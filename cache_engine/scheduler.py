@@ -215,8 +215,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             num_computed += sum(match.num_tokens for _, match in matches)
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_computed
+            if request.num_cached_tokens is None:  # exact reuse only
+                approximate = sum(m.num_tokens for _, m in matches if m.approximate)
+                request.num_cached_tokens = num_computed - approximate
+                request.exact_until = next(
+                    (m.cache_until for _, m in matches if m.cache_until is not None), None
+                )
             self.running.append(request)
             num_new, positions = admitted
             start = num_computed if positions is None else request.num_tokens - num_new
@@ -230,10 +234,11 @@ class Scheduler:
         """What the sources offer after the pool's ``num_computed`` tokens, in order; None
         when one must load first (the request has left the queue to wait for it)."""
         matches: list[tuple[KVSource, KVMatch]] = []
+        written = False  # a match before wrote its tokens into new blocks
         for source in self.sources:
             match = source.match(request, num_computed)
-            if match is None:
-                continue
+            if match is None or (written and match.shared_blocks):
+                continue  # shared blocks must continue the pool's prefix
             if match.load_pending:
                 self.waiting.popleft()
                 request.status = RequestStatus.WAITING_FOR_KV
@@ -243,6 +248,7 @@ class Scheduler:
             if match.positions is not None:  # it computes the rest: no later source
                 break
             num_computed += match.num_tokens
+            written = written or (match.num_tokens > 0 and not match.shared_blocks)
         return matches
 
     def _allocate(
@@ -256,23 +262,32 @@ class Scheduler:
         """Allocate the request's blocks: ``(tokens computed this step, explicit positions or
         None)``, or None when they do not fit (nothing changed). A match with positions
         that cannot be placed is dropped from ``matches`` for the exact path."""
+        kv = self.kv
         last = matches[-1][1] if matches else None
         if last is not None and last.positions is not None:
             if len(last.positions) > budget:  # one step, whole: wait for room
                 return None
+            computed = blocks + _shared(matches)
             # Pin its sources first: a free source block would be the next one handed out.
-            self.kv.pin(last.pinned)
-            self.kv.limit_caching(request, last.cache_until)
-            num_tokens = request.num_tokens - num_computed
-            if self.kv.allocate_slots(request, num_tokens, blocks) is not None:
+            kv.pin(last.pinned)
+            kv.limit_caching(request, last.cache_until, last.scope)
+            num_tokens = request.num_tokens - len(computed) * kv.block_size
+            if kv.allocate_slots(request, num_tokens, computed) is not None:
                 request.pinned_blocks = list(last.pinned)
                 return len(last.positions), last.positions
-            self.kv.limit_caching(request, None)
-            self.kv.unpin(last.pinned)
+            kv.limit_caching(request, None)
+            kv.unpin(last.pinned)
             matches.pop()  # the exact path (counted as a fallback by its source)
-        num_external = sum(match.num_tokens for _, match in matches)
-        num_new = min(request.num_tokens - num_computed - num_external, budget)
-        if self.kv.allocate_slots(request, num_external + num_new, blocks) is None:
+        computed = blocks + _shared(matches)
+        written = sum(m.num_tokens for _, m in matches if not m.shared_blocks)
+        num_done = len(computed) * kv.block_size + written
+        num_new = min(request.num_tokens - num_done, budget)
+        limit = next((m for _, m in matches if m.cache_until is not None), None)
+        if limit is not None:
+            kv.limit_caching(request, limit.cache_until, limit.scope)
+        if kv.allocate_slots(request, written + num_new, computed) is None:
+            if limit is not None:
+                kv.limit_caching(request, None)
             return None
         return num_new, None
 
@@ -390,3 +405,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+
+def _shared(matches: list[tuple[KVSource, KVMatch]]) -> list[int]:
+    """Pool blocks the matches share (they continue the pool's prefix, in order)."""
+    return [block for _, match in matches for block in match.shared_blocks]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ragkv.cache_engine.chunk_reuse.config import BlendConfig
 from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
 from ragkv.cache_engine.chunk_reuse.planner import BlendPlan, plan_blend
 from ragkv.cache_engine.kv_source import KVMatch
@@ -48,6 +49,11 @@ class ChunkReuseSource:
         if request.reuse is None or request.blend_tried:
             return None
         kv = self.kv
+        scope = reuse_scope(request.reuse)
+        shared: list[int] = []
+        if num_computed % kv.block_size == 0:  # approximate blocks left by requests like it
+            shared = kv.approximate_prefix(request, num_computed // kv.block_size, scope)
+        num_shared = len(shared) * kv.block_size
 
         def lookup(token_ids):
             return self.index.lookup(request.salt_digest, token_ids, kv.generations)
@@ -55,22 +61,27 @@ class ChunkReuseSource:
         plan = plan_blend(
             request.token_ids,
             request.chunk_spans,
-            num_computed,
+            num_computed + num_shared,
             request.reuse,
             lookup,
             kv.block_size,
         )
-        if plan is None:
-            return None
-        if len(plan.positions) > self.max_step_tokens:
+        if plan is not None and len(plan.positions) > self.max_step_tokens:
             request.blend_tried = True
             self.num_fallbacks += 1
+            plan = None
+        if plan is None and not shared:
             return None
         self._offered.add(request.request_id)
+        exact_until = num_computed if shared else plan.exact_until if plan is not None else None
         return KVMatch(
-            positions=plan.positions,
-            pinned=plan.pinned,
-            cache_until=plan.exact_until,
+            num_tokens=num_shared,
+            shared_blocks=shared,
+            approximate=bool(shared),
+            positions=None if plan is None else plan.positions,
+            pinned=[] if plan is None else plan.pinned,
+            cache_until=exact_until,
+            scope=scope,
             handle=plan,
         )
 
@@ -88,9 +99,11 @@ class ChunkReuseSource:
         offered = request.request_id in self._offered
         self._offered.discard(request.request_id)
         if match is not None:
-            plan: BlendPlan = match.handle
-            request.blend = plan
-            request.reused_nonprefix_tokens = plan.reused_tokens
+            plan: BlendPlan | None = match.handle
+            if plan is not None:
+                request.blend = plan
+                request.reused_nonprefix_tokens = plan.reused_tokens
+            request.reused_approximate_prefix_tokens = match.num_tokens
         elif offered:  # the plan did not fit the pool; the exact path did
             self.num_fallbacks += 1
 
@@ -113,8 +126,8 @@ class ChunkReuseSource:
         every chunk, or for a blended request those wholly before its first copied token."""
         request.chunks_recorded = True
         exact_until = request.num_prompt_tokens
-        if request.blend is not None and request.blend.exact_until is not None:
-            exact_until = request.blend.exact_until
+        if request.exact_until is not None:
+            exact_until = request.exact_until
         kv = self.kv
         block_table = kv.block_table(request)
         token_ids = request.token_ids
@@ -129,3 +142,9 @@ class ChunkReuseSource:
                 kv.block_size,
                 kv.generations,
             )
+
+
+def reuse_scope(config: BlendConfig) -> bytes:
+    """What approximate K/V depends on besides the tokens: the reuse settings that made it
+    (requests reuse each other's approximate blocks only under the same settings)."""
+    return f"blend:{config.strategy}:{config.k}".encode()

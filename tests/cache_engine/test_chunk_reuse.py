@@ -227,3 +227,61 @@ def test_reuse_inputs_are_validated_in_the_callers_thread(two_layers):
 
 def _locations(eng: Engine):
     return [entry.location for entry in eng.chunk_index._entries.values()]
+
+
+# -- approximate blocks kept for later opted-in requests (issue 25) ------------------------
+
+
+def test_an_opted_in_follow_up_shares_the_approximate_blocks_a_blended_request_left(two_layers):
+    path, model = two_layers
+    naive = BlendConfig("none")
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=naive)
+        before = eng.stats().prefill_tokens_computed
+        again = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=naive)
+        computed = eng.stats().prefill_tokens_computed - before
+        exact = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, return_logits=True)
+        assert_no_block_held(eng)
+    # SECOND is 75 tokens: block 0 exact, blocks 1-3 approximate (the copy starts at 20),
+    # so the follow-up computes only its last partial block.
+    assert again.usage.cached_tokens == BLOCK  # exact prefix only
+    assert again.usage.reused_approximate_prefix_tokens == 3 * BLOCK
+    assert again.approximate
+    assert again.usage.to_openai()["reused_approximate_prefix_tokens"] == 3 * BLOCK
+    assert computed == 75 - 4 * BLOCK
+    # An exact request of the same prompt never sees them.
+    assert exact.usage.cached_tokens == BLOCK and not exact.approximate
+    expected = reference_logits(model, SECOND + exact.token_ids[:-1])[BLOCK:]
+    assert (exact.logits - expected).abs().max().item() <= ATOL
+
+
+def test_approximate_blocks_are_not_shared_across_salts_or_reuse_settings(two_layers):
+    path, _ = two_layers
+    with engine(path) as eng:
+        for salt in ("t1", "t2"):
+            eng.generate(FIRST, GREEDY, chunk_spans=SPANS, cache_salt=salt)
+        eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"), cache_salt="t1")
+        other_salt = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"), cache_salt="t2"
+        )
+        other_k = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("first-k", 4), cache_salt="t1"
+        )
+        same = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"), cache_salt="t1"
+        )
+        assert_no_block_held(eng)
+    assert other_salt.usage.reused_approximate_prefix_tokens == 0
+    assert other_k.usage.reused_approximate_prefix_tokens == 0
+    assert same.usage.reused_approximate_prefix_tokens == 3 * BLOCK
+
+
+def test_approximate_blocks_are_never_offered_to_the_kv_tiers(two_layers):
+    path, _ = two_layers
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        approx = [b for b in range(eng.kv.num_blocks) if eng.kv.pool.block_hash[b] is not None]
+        registered = [b for b in approx if eng.kv.registered(b) is not None]
+        assert len(approx) - len(registered) == 3  # SECOND's blocks 1-3
