@@ -17,14 +17,18 @@ rendered ``text`` in one go at segment seams (typically whitespace runs split di
 Decoding ``token_ids`` still gives back ``text`` exactly for byte-level BPE tokenizers
 (GPT-2 style, SmolLM2, Llama 3, Qwen); ``measure_seams=True`` reports the difference.
 
-Concurrency: tokenization (the expensive part, O(text)) runs outside any lock shared by
-requests; only the learning and ordering step (O(chunks + system tokens)) is serialized.
+Concurrency: only what reads or changes the learned state shared by requests runs under the
+assembler's lock: learning and ordering (O(chunks + system tokens)), then, once the
+candidates are probed, the choice and the record of what was sent. Tokenization (O(text)),
+building the candidates and the engine's residency probes run outside it; a probe takes the
+engine's lock, and a slow one (a busy engine) never holds up another request's assembly.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
@@ -45,7 +49,7 @@ from ragkv.assembler.sent import SentPrefixes
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike
 from ragkv.assembler.system_split import SystemSplitter
-from ragkv.assembler.template import Layout, PromptTemplate
+from ragkv.assembler.template import Layout, Piece, PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
@@ -53,6 +57,22 @@ from ragkv.errors import ConfigError, InvalidInputError
 Residency = Callable[[Sequence[int]], int]
 """``(token_ids) -> int``: how many leading tokens the engine has cached
 (``engine.cached_prefix_length``)."""
+
+
+@dataclass(slots=True)
+class _Draft:
+    """What the locked step decided for one request: its regions (chunks over the budget
+    dropped), frame, head key, candidate chunk orders (preferred first) and the never-worse
+    slack."""
+
+    stats: AssemblyStats
+    regions: Regions
+    frame: tuple[Piece, ...]
+    dropped: list[Segment]
+    key: bytes
+    orders: list[list[Segment]]
+    slack: int
+
 
 # Learned ranks go after a batch's path (chunk_order ranks are below this).
 _PATH_RANKS = 1 << 40
@@ -135,7 +155,7 @@ class Assembler:
         self.never_worse = config.never_worse
         slack = config.never_worse_slack
         self.never_worse_slack = config.block_size if slack is None else slack
-        self._boundary_slack = slack is None  # see _choose
+        self._boundary_slack = slack is None  # see never_worse.choose
         self._lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------------
@@ -184,10 +204,28 @@ class Assembler:
         tokenized = self.segmenter.segment(
             system, chunks, question, history, few_shot, overrides, self.order
         )
+        with self._lock:  # learning and ordering read and change the shared state
+            draft = self._draft(tokenized, max_prompt_tokens, overrides, chunk_order, learn)
+        candidates, has_given = self._candidates(draft, tokenized, max_prompt_tokens)
+        cached = None
+        if residency is not None:  # the engine's lock, never ours: the probe may wait on it
+            cached = [residency(c.plan.token_ids) for c in candidates]
         with self._lock:
-            return self._plan(
-                tokenized, max_prompt_tokens, residency, overrides, chunk_order, learn
+            if cached is None and len(candidates) > 1:
+                cached = [self.sent.cached_prefix_length(c.plan.token_ids) for c in candidates]
+            chosen = choose(
+                candidates,
+                cached,
+                has_given,
+                draft.stats,
+                draft.slack,
+                never_worse=self.never_worse,
+                engine=residency is not None,
             )
+            if self.order == "cache-aware":
+                self.tree.insert(chosen.head_key, [s.key for s in chosen.order])
+            self.sent.record(chosen.plan.token_ids)
+        return self._finish(chosen.plan, draft)
 
     def learn_system(self, systems: Iterable[SystemLike | None]) -> None:
         """Show the system-prompt learner these versions, in this order, as if requests with
@@ -231,15 +269,15 @@ class Assembler:
 
     # -- learning, ordering and choice (under the lock) -------------------------------------
 
-    def _plan(
+    def _draft(
         self,
         tokenized: TokenizedRequest,
         max_prompt_tokens: int | None,
-        residency: Residency | None,
         overrides: dict[SegmentKind, Stability],
-        chunk_order: Mapping[bytes, int] | None = None,
-        learn: bool = True,
-    ) -> PromptPlan:
+        chunk_order: Mapping[bytes, int] | None,
+        learn: bool,
+    ) -> _Draft:
+        """Learn from the request and choose its candidate chunk orders (under the lock)."""
         stats = tokenized.stats
         head, tail, boundary_slack = self.splitter.place(tokenized.statics, stats, learn)
         chunks = tokenized.chunks
@@ -264,39 +302,35 @@ class Assembler:
                 walked, _ = cache_aware_order(regions.chunks, ranks, self.tree, key)
                 if walked != orders[0]:
                     orders.append(walked)
+        slack = self.never_worse_slack + (boundary_slack if self._boundary_slack else 0)
+        return _Draft(stats, regions, frame, dropped, key, orders, slack)
+
+    def _candidates(
+        self, draft: _Draft, tokenized: TokenizedRequest, max_prompt_tokens: int | None
+    ) -> tuple[list[Candidate], bool]:
+        """The draft's orders built into prompts, preferred first, and the as-given prompt
+        last when it differs (then True); request-local, so built outside the lock."""
+        template, regions, frame = self.template, draft.regions, draft.frame
         candidates = [
-            Candidate(build_plan(template, regions, frame, order, stats), key, order)
-            for order in orders
+            Candidate(build_plan(template, regions, frame, order, draft.stats), draft.key, order)
+            for order in draft.orders
         ]
-        has_given = False
         if self.never_worse:
             given = as_given(template, tokenized, regions, frame, max_prompt_tokens)
             if given is not None and given.plan.token_ids != candidates[0].plan.token_ids:
                 candidates.append(given)
-                has_given = True
-        cached = None
-        if len(candidates) > 1 or residency is not None:
-            probe = residency if residency is not None else self.sent.cached_prefix_length
-            cached = [probe(c.plan.token_ids) for c in candidates]
-        chosen = choose(
-            candidates,
-            cached,
-            has_given,
-            stats,
-            self.never_worse_slack + (boundary_slack if self._boundary_slack else 0),
-            never_worse=self.never_worse,
-            engine=residency is not None,
-        )
-        plan = chosen.plan
-        if self.order == "cache-aware":
-            self.tree.insert(chosen.head_key, [s.key for s in chosen.order])
-        self.sent.record(plan.token_ids)
+                return candidates, True
+        return candidates, False
+
+    def _finish(self, plan: PromptPlan, draft: _Draft) -> PromptPlan:
+        """The chosen plan's dropped chunks and counters (request-local: no lock)."""
+        stats = draft.stats
         plan.dropped = [
             DroppedChunk(s.chunk, s.rank, len(s.token_ids), s.stability)  # type: ignore[arg-type]
-            for s in dropped
+            for s in draft.dropped
         ]
-        stats.num_dropped = len(dropped)
-        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(regions.chunks)
+        stats.num_dropped = len(draft.dropped)
+        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(draft.regions.chunks)
         volatile = [s.start for s in plan.segments if s.stability is Stability.VOLATILE]
         stats.stable_prefix_tokens = volatile[0] if volatile else len(plan.token_ids)
         if self.measure_seams:
