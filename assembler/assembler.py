@@ -54,9 +54,11 @@ from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
 
-Residency = Callable[[Sequence[int]], int]
+Residency = Callable[[Sequence[int]], int | tuple[int, Any]]
 """``(token_ids) -> int``: how many leading tokens the engine has cached
-(``engine.cached_prefix_length``)."""
+(``engine.cached_prefix_length``). A probe may also answer ``(int, handoff)``
+(``engine.prefix_probe(cache_salt)``): the chosen plan keeps its handoff, the engine's
+hashes of its token ids, as ``plan.prompt_hashes``."""
 
 
 @dataclass(slots=True)
@@ -209,7 +211,7 @@ class Assembler:
         candidates, has_given = self._candidates(draft, tokenized, max_prompt_tokens)
         cached = None
         if residency is not None:  # the engine's lock, never ours: the probe may wait on it
-            cached = [residency(c.plan.token_ids) for c in candidates]
+            cached = [_probe(residency, c) for c in candidates]
         with self._lock:
             if cached is None and len(candidates) > 1:
                 cached = [self.sent.cached_prefix_length(c.plan.token_ids) for c in candidates]
@@ -225,6 +227,7 @@ class Assembler:
             if self.order == "cache-aware":
                 self.tree.insert(chosen.head_key, [s.key for s in chosen.order])
             self.sent.record(chosen.plan.token_ids)
+        chosen.plan.prompt_hashes = chosen.handoff
         return self._finish(chosen.plan, draft)
 
     def learn_system(self, systems: Iterable[SystemLike | None]) -> None:
@@ -387,6 +390,14 @@ class Assembler:
         matched = sum(block.size for block in matcher.get_matching_blocks())
         plan.stats.seam_mismatch_tokens = len(plan.token_ids) - matched
         plan.stats.token_count_delta = len(plan.token_ids) - len(reference)
+
+
+def _probe(residency: Residency, candidate: Candidate) -> int:
+    """The candidate's cached prefix; a handoff answered with it is kept on the candidate."""
+    answer = residency(candidate.plan.token_ids)
+    if isinstance(answer, tuple):
+        answer, candidate.handoff = answer
+    return answer
 
 
 def _config(config: AssemblerConfig | None, settings: dict[str, Any]) -> AssemblerConfig:
