@@ -12,13 +12,12 @@ and differ only in how they wait for events.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ragkv.cache_engine import offload
-from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.config import EngineConfig
 from ragkv.cache_engine.engine_calls import EngineCalls
@@ -137,18 +136,7 @@ class Engine(EngineCalls):
         if not self.enable_prefix_caching:
             return _nothing_cached
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        return functools.partial(self._probe_prefix, cache_salt, salt_digest)
-
-    def _probe_prefix(
-        self, cache_salt: str | None, salt_digest: bytes | None, token_ids: Sequence[int]
-    ) -> tuple[int, PromptHashes | None]:
-        ids = list(token_ids)  # what the hashes are checked against when a request takes them
-        hasher = self.kv.new_hasher(salt_digest)  # in the caller's thread, outside the lock
-        hasher.extend(ids)
-        hashes = PromptHashes(self.kv, ids, cache_salt, salt_digest, hasher)
-        if len(ids) < 2:
-            return 0, hashes
-        return self.core.cached_prefix(hasher, len(ids)) * self.block_size, hashes
+        return _PrefixProbe(self, cache_salt, salt_digest)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""
@@ -229,6 +217,47 @@ class Engine(EngineCalls):
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)
+
+
+class _PrefixProbe:
+    """:meth:`Engine.prefix_probe` for one request. Its candidates often share their head
+    (the template's frame, the system prompt): a candidate's blocks that an earlier one
+    began with are taken from that one's hashes, so each block is hashed once."""
+
+    __slots__ = ("engine", "cache_salt", "salt_digest", "_probed")
+
+    def __init__(self, engine: Engine, cache_salt: str | None, salt_digest: bytes | None) -> None:
+        self.engine = engine
+        self.cache_salt = cache_salt
+        self.salt_digest = salt_digest
+        self._probed: list[tuple[list[int], BlockHasher]] = []
+
+    def __call__(self, token_ids: Sequence[int]) -> tuple[int, PromptHashes]:
+        engine, kv = self.engine, self.engine.kv
+        ids = list(token_ids)  # what the hashes are checked against when a request takes them
+        shared, hasher = 0, None
+        for earlier, earlier_hasher in list(self._probed):
+            blocks = _shared_blocks(earlier, ids, kv.block_size)
+            if blocks > shared:
+                shared, hasher = blocks, earlier_hasher
+        # In the caller's thread, outside the engine's lock.
+        hasher = kv.new_hasher(self.salt_digest) if hasher is None else hasher.prefix(shared)
+        hasher.extend(ids[shared * kv.block_size :])
+        self._probed.append((ids, hasher))
+        hashes = PromptHashes(kv, ids, self.cache_salt, self.salt_digest, hasher)
+        if len(ids) < 2:
+            return 0, hashes
+        return engine.core.cached_prefix(hasher, len(ids)) * engine.block_size, hashes
+
+
+def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """Leading full blocks ``a`` and ``b`` have in common."""
+    blocks = min(len(a), len(b)) // block_size
+    for i in range(blocks):
+        start, end = i * block_size, (i + 1) * block_size
+        if a[start:end] != b[start:end]:
+            return i
+    return blocks
 
 
 def _nothing_cached(token_ids: Sequence[int]) -> tuple[int, None]:
