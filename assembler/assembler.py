@@ -1,96 +1,79 @@
 """The Assembler: token-level, stable-first, cache-aware prompt assembly.
 
-Every segment is tokenized once (chunks and static segments through the
-:class:`~ragkv.dedup.ChunkRegistry`, keyed by content hash) and the prompt is the
-concatenation of segment token ids with fixed separator token ids, so a chunk produces the
-same token ids whatever surrounds it. Where the segments go is described in
-:mod:`ragkv.assembler.template`; in which order chunks go, in :mod:`ragkv.assembler.ordering`;
-which parts of a "static" system prompt stay in front, in :mod:`ragkv.assembler.system_split`
-(learning: :mod:`ragkv.assembler.slots`; caller-marked parts: :mod:`ragkv.assembler.structured`).
-
-**Never worse than as-given.** Every request is also assembled in the order the application
-gave (system prompt whole and first, chunks in retrieval order); the two plans are compared
-by the cached prefix each would get (engine residency when a callback is given, else the
-assembler's own record of what it sent, :mod:`ragkv.assembler.sent`) and the better one is
-sent. Ties and near-ties (within one block) go to the canonical plan: the first request of a
-new canonical layout cannot find it cached yet, and it is the one later requests share. ``plan.stats.chosen`` and ``choice_reason`` say
-which and why.
+An assembly runs in steps, each in its own module: the request's segments are tokenized
+once (:mod:`ragkv.assembler.segmenter`: chunks and static segments through the
+:class:`~ragkv.dedup.ChunkRegistry`, keyed by content hash); the static ones are placed
+before or after the chunks (:mod:`ragkv.assembler.system_split`; learning:
+:mod:`ragkv.assembler.slots`; caller-marked parts: :mod:`ragkv.assembler.structured`); the
+chunks are ordered (:mod:`ragkv.assembler.ordering`); each candidate order is built into a
+prompt, the concatenation of segment token ids with the template's fixed pieces
+(:mod:`ragkv.assembler.build`, :mod:`ragkv.assembler.template`), so a chunk produces the
+same token ids whatever surrounds it; and the candidate with the longest cached prefix is
+sent, never worse than the application's own order (:mod:`ragkv.assembler.never_worse`;
+``plan.stats.chosen`` and ``choice_reason`` say which and why).
 
 Because tokenization is not compositional, ``token_ids`` can differ from tokenizing the
 rendered ``text`` in one go at segment seams (typically whitespace runs split differently).
 Decoding ``token_ids`` still gives back ``text`` exactly for byte-level BPE tokenizers
 (GPT-2 style, SmolLM2, Llama 3, Qwen); ``measure_seams=True`` reports the difference.
 
-Concurrency: tokenization (the expensive part, O(text)) runs outside any lock shared by
-requests; only the learning and ordering step (O(chunks + system tokens)) is serialized.
+Concurrency: only what reads or changes the learned state shared by requests runs under the
+assembler's lock: learning and ordering (O(chunks + system tokens)), then, once the
+candidates are probed, the choice and the record of what was sent. Tokenization (O(text)),
+building the candidates and the engine's residency probes run outside it; a probe takes the
+engine's lock, and a slow one (a busy engine) never holds up another request's assembly.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
 from ragkv.assembler.budget import fit_budget
+from ragkv.assembler.build import Regions, build_plan, head_key, prompt_length
 from ragkv.assembler.config import AssemblerConfig
+from ragkv.assembler.never_worse import Candidate, as_given, choose
 from ragkv.assembler.ordering import (
     cache_aware_order,
     canonical_order,
     retrieval_order,
 )
-from ragkv.assembler.plan import AssemblyStats, DroppedChunk, PromptPlan, SegmentSpan
+from ragkv.assembler.plan import AssemblyStats, DroppedChunk, PromptPlan
 from ragkv.assembler.prefix_tree import ChunkPrefixTree
-from ragkv.assembler.segments import (
-    DEFAULT_STABILITY,
-    Segment,
-    SegmentKind,
-    Stability,
-    parse_overrides,
-)
+from ragkv.assembler.segmenter import Segmenter, TokenizedRequest, Turn
+from ragkv.assembler.segments import Segment, SegmentKind, Stability, parse_overrides
 from ragkv.assembler.sent import SentPrefixes
 from ragkv.assembler.stability import StabilityTracker
-from ragkv.assembler.structured import SystemLike, Volatile, system_parts
-from ragkv.assembler.system_split import Group, SystemSplitter
+from ragkv.assembler.structured import SystemLike
+from ragkv.assembler.system_split import SystemSplitter
 from ragkv.assembler.template import Layout, Piece, PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
 
-Residency = Callable[[Sequence[int]], int]
+Residency = Callable[[Sequence[int]], int | tuple[int, Any]]
 """``(token_ids) -> int``: how many leading tokens the engine has cached
-(``engine.cached_prefix_length``)."""
-
-Turn = Mapping[str, str] | tuple[str, str]
-HISTORY_ROLES = frozenset({"user", "assistant"})
-
-
-@dataclass(slots=True)
-class _Request:
-    """One request's segments, grouped by region of the layout.
-
-    ``head`` and ``tail`` are items of the system message before and after the chunks; an
-    item is a group of segments written back to back (a split slot's stable parts).
-    """
-
-    head: list[Group]
-    chunks: list[Segment]
-    tail: list[Group]
-    turns: list[Segment]
-    question: Segment
+(``engine.cached_prefix_length``). A probe may also answer ``(int, handoff)``
+(``engine.prefix_probe(cache_salt)``): the chosen plan keeps its handoff, the engine's
+hashes of its token ids, as ``plan.prompt_hashes``."""
 
 
 @dataclass(slots=True)
-class _Tokenized:
-    """A request's segments after tokenization (done outside the assembler's lock)."""
+class _Draft:
+    """What the locked step decided for one request: its regions (chunks over the budget
+    dropped), frame, head key, candidate chunk orders (preferred first) and the never-worse
+    slack."""
 
-    statics: list[Segment]  # system parts and few-shot examples, in the caller's order
-    chunks: list[Segment]
-    turns: list[Segment]
-    question: Segment
     stats: AssemblyStats
-    moved: list[str] = field(default_factory=list)
+    regions: Regions
+    frame: tuple[Piece, ...]
+    dropped: list[Segment]
+    key: bytes
+    orders: list[list[Segment]]
+    slack: int
 
 
 # Learned ranks go after a batch's path (chunk_order ranks are below this).
@@ -152,7 +135,9 @@ class Assembler:
         self.block_size = config.block_size
         self.order = config.order
         self.registry = registry if registry is not None else ChunkRegistry()
-        self.registry_key = self.tokenizer.key  # a tenant's fork keeps its token ids apart
+        self.segmenter = Segmenter(
+            self.tokenizer, self.registry, collapse_duplicates=config.collapse_duplicates
+        )
         self.residency = residency
         self.template = PromptTemplate(self.tokenizer, config.layout, config.chat_template)
         self.demote_invalidators = config.demote_invalidators
@@ -172,7 +157,7 @@ class Assembler:
         self.never_worse = config.never_worse
         slack = config.never_worse_slack
         self.never_worse_slack = config.block_size if slack is None else slack
-        self._boundary_slack = slack is None  # see _choose
+        self._boundary_slack = slack is None  # see never_worse.choose
         self._lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------------
@@ -218,22 +203,38 @@ class Assembler:
             )
         overrides = parse_overrides(dict(stability) if stability else None)
         residency = residency if residency is not None else self.residency
-        tokenized = self._tokenize(system, chunks, question, history, few_shot, overrides)
+        tokenized = self.segmenter.segment(
+            system, chunks, question, history, few_shot, overrides, self.order
+        )
+        with self._lock:  # learning and ordering read and change the shared state
+            draft = self._draft(tokenized, max_prompt_tokens, overrides, chunk_order, learn)
+        candidates, has_given = self._candidates(draft, tokenized, max_prompt_tokens)
+        cached = None
+        if residency is not None:  # the engine's lock, never ours: the probe may wait on it
+            cached = [_probe(residency, c) for c in candidates]
         with self._lock:
-            return self._plan(
-                tokenized, max_prompt_tokens, residency, overrides, chunk_order, learn
+            if cached is None and len(candidates) > 1:
+                cached = [self.sent.cached_prefix_length(c.plan.token_ids) for c in candidates]
+            chosen = choose(
+                candidates,
+                cached,
+                has_given,
+                draft.stats,
+                draft.slack,
+                never_worse=self.never_worse,
+                engine=residency is not None,
             )
+            if self.order == "cache-aware":
+                self.tree.insert(chosen.head_key, [s.key for s in chosen.order])
+            self.sent.record(chosen.plan.token_ids)
+        chosen.plan.prompt_hashes = chosen.handoff
+        return self._finish(chosen.plan, draft)
 
     def learn_system(self, systems: Iterable[SystemLike | None]) -> None:
         """Show the system-prompt learner these versions, in this order, as if requests with
         them had been assembled (a batch does this with its requests' arrival order)."""
         for system in systems:
-            statics = self._static_segments(system, None, {})
-            for segment in statics:
-                if segment.chunk is not None:
-                    segment.token_ids = self.registry.token_ids(
-                        segment.chunk, self.registry_key, self.tokenizer.encode
-                    )
+            statics = self.segmenter.statics(system)
             with self._lock:
                 self.splitter.learn(statics)
 
@@ -256,195 +257,83 @@ class Assembler:
         )
         if scope is not None:
             digest = content_hash(scope.encode("utf-8", "surrogatepass")).hex()[:32]
-            fork.registry_key = f"{self.tokenizer.key}|scope:{digest}"
+            fork.segmenter.key = f"{self.tokenizer.key}|scope:{digest}"
         return fork
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens kept)."""
         return self.tokenizer.decode(token_ids)
 
-    # -- tokenization (no shared lock) -----------------------------------------------------
-
-    def _tokenize(
-        self,
-        system: SystemLike | None,
-        raw_chunks: Iterable[str | bytes | Chunk],
-        question: str,
-        history: Sequence[Turn] | None,
-        few_shot: Sequence[str] | None,
-        overrides: dict[SegmentKind, Stability],
-    ) -> _Tokenized:
-        stats = AssemblyStats(order=self.order)
-        statics = self._static_segments(system, few_shot, overrides)
-        chunks = self._chunk_segments(raw_chunks, stats)
-        registry, key = self.registry, self.registry_key
-        misses = 0
-
-        def encode(text: str) -> list[int]:
-            nonlocal misses
-            misses += 1
-            return self.tokenizer.encode(text)
-
-        for segment in statics:
-            if segment.chunk is None:  # a volatile part: not worth a registry entry
-                segment.token_ids = self.tokenizer.encode(segment.text)
-            else:
-                segment.token_ids = registry.token_ids(segment.chunk, key, self.tokenizer.encode)
-        for segment in chunks:
-            segment.text = segment.chunk.text  # type: ignore[union-attr]
-            segment.token_ids = registry.token_ids(segment.chunk, key, encode)  # type: ignore[arg-type]
-        stats.chunks_tokenized, stats.chunks_reused = misses, len(chunks) - misses
-        registry.observe([s.key for s in statics if s.chunk is not None] + [s.key for s in chunks])
-        turns = self._turns(history)
-        return _Tokenized(statics, chunks, turns, self._volatile(question), stats)
-
-    def _static_segments(
-        self,
-        system: SystemLike | None,
-        few_shot: Sequence[str] | None,
-        overrides: dict[SegmentKind, Stability],
-    ) -> list[Segment]:
-        parts = system_parts(system)
-        segments = []
-        for i, part in enumerate(parts):
-            slot = "system" if len(parts) == 1 else f"system[{i}]"
-            if isinstance(part, Volatile):
-                key = content_hash(part.text.encode("utf-8", "surrogatepass"), self.registry.hash)
-                segments.append(
-                    Segment(
-                        SegmentKind.SYSTEM, Stability.VOLATILE, part.text, (), key, i, slot=slot
-                    )
-                )
-            else:
-                segments.append(self._static(SegmentKind.SYSTEM, part, i, slot, overrides))
-        for i, example in enumerate(few_shot or ()):
-            text = _text(example, "few_shot example", "few_shot")
-            segments.append(
-                self._static(SegmentKind.FEW_SHOT, text, i, f"few_shot[{i}]", overrides)
-            )
-        return segments
-
-    def _static(
-        self,
-        kind: SegmentKind,
-        text: str,
-        index: int,
-        slot: str,
-        overrides: dict[SegmentKind, Stability],
-    ) -> Segment:
-        chunk = Chunk(text)
-        stability = overrides.get(kind, DEFAULT_STABILITY[kind])
-        return Segment(
-            kind, stability, text, (), self.registry.key(chunk), index, chunk, None, slot
-        )
-
-    def _chunk_segments(
-        self, raw_chunks: Iterable[str | bytes | Chunk], stats: AssemblyStats
-    ) -> list[Segment]:
-        segments: list[Segment] = []
-        seen: set[bytes] = set()
-        key = self.registry.key
-        for rank, raw in enumerate(raw_chunks):
-            chunk = Chunk.coerce(raw)
-            chunk_key = key(chunk)
-            if chunk_key in seen and self.collapse_duplicates:
-                stats.duplicates_collapsed += 1
-                continue
-            seen.add(chunk_key)
-            segments.append(
-                Segment(SegmentKind.CHUNK, Stability.STABLE, "", (), chunk_key, rank, chunk)
-            )
-        return segments
-
-    def _turns(self, history: Sequence[Turn] | None) -> list[Segment]:
-        turns = []
-        for i, turn in enumerate(history or ()):
-            if isinstance(turn, Mapping):
-                role, content = turn.get("role"), turn.get("content")
-            elif isinstance(turn, tuple) and len(turn) == 2:
-                role, content = turn
-            else:
-                role = content = None
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise InvalidInputError(
-                    f"history[{i}] must be {{'role': str, 'content': str}} or (role, content).",
-                    param="history",
-                )
-            if role not in HISTORY_ROLES:  # a role is template text: never free-form
-                raise InvalidInputError(
-                    f"history[{i}] has role {role[:40]!r}; history turns are 'user' or "
-                    "'assistant' (the system prompt goes in system=...)",
-                    param=f"history[{i}].role",
-                )
-            segment = self._volatile(content, SegmentKind.HISTORY, i)
-            segment.role = role
-            turns.append(segment)
-        return turns
-
-    def _volatile(
-        self, text: str, kind: SegmentKind = SegmentKind.QUESTION, index: int = 0
-    ) -> Segment:
-        key = content_hash(text.encode("utf-8", "surrogatepass"), self.registry.hash)
-        ids = self.tokenizer.encode(text)
-        return Segment(kind, Stability.VOLATILE, text, ids, key, index)
+    @property
+    def registry_key(self) -> str:
+        """Whose token ids this assembler reads from the registry (a tenant's fork has its
+        own key, so it keeps its token ids apart)."""
+        return self.segmenter.key
 
     # -- learning, ordering and choice (under the lock) -------------------------------------
 
-    def _plan(
+    def _draft(
         self,
-        tokenized: _Tokenized,
+        tokenized: TokenizedRequest,
         max_prompt_tokens: int | None,
-        residency: Residency | None,
         overrides: dict[SegmentKind, Stability],
-        chunk_order: Mapping[bytes, int] | None = None,
-        learn: bool = True,
-    ) -> PromptPlan:
+        chunk_order: Mapping[bytes, int] | None,
+        learn: bool,
+    ) -> _Draft:
+        """Learn from the request and choose its candidate chunk orders (under the lock)."""
         stats = tokenized.stats
         head, tail, boundary_slack = self.splitter.place(tokenized.statics, stats, learn)
         chunks = tokenized.chunks
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats, chunk_order)
-        request = _Request(head, chunks, tail, tokenized.turns, tokenized.question)
-        frame = self.template.frame(tuple(turn.role or "" for turn in request.turns))
+        regions = Regions(head, chunks, tail, tokenized.turns, tokenized.question)
+        template = self.template
+        frame = template.frame(tuple(turn.role or "" for turn in regions.turns))
 
         dropped: list[Segment] = []
         if max_prompt_tokens is not None:
-            request.chunks, dropped = fit_budget(
-                chunks, max_prompt_tokens, lambda kept: self._length(request, frame, kept)
+            regions.chunks, dropped = fit_budget(
+                chunks,
+                max_prompt_tokens,
+                lambda kept: prompt_length(template, regions, frame, kept),
             )
-        head_key = _head_key(head)
+        key = head_key(head)
         if chunk_order is None:
-            orders = self._orders(request.chunks, ranks, head_key, stats)
+            orders = self._orders(regions.chunks, ranks, key, stats)
         else:  # the batch's shared order first; the sent orders' walk may still win
-            orders = [canonical_order(request.chunks, ranks)]
+            orders = [canonical_order(regions.chunks, ranks)]
             if self.order == "cache-aware":
-                walked, _ = cache_aware_order(request.chunks, ranks, self.tree, head_key)
+                walked, _ = cache_aware_order(regions.chunks, ranks, self.tree, key)
                 if walked != orders[0]:
                     orders.append(walked)
+        slack = self.never_worse_slack + (boundary_slack if self._boundary_slack else 0)
+        return _Draft(stats, regions, frame, dropped, key, orders, slack)
+
+    def _candidates(
+        self, draft: _Draft, tokenized: TokenizedRequest, max_prompt_tokens: int | None
+    ) -> tuple[list[Candidate], bool]:
+        """The draft's orders built into prompts, preferred first, and the as-given prompt
+        last when it differs (then True); request-local, so built outside the lock."""
+        template, regions, frame = self.template, draft.regions, draft.frame
         candidates = [
-            (self._build(request, frame, order, stats), head_key, order) for order in orders
+            Candidate(build_plan(template, regions, frame, order, draft.stats), draft.key, order)
+            for order in draft.orders
         ]
-        has_given = False
         if self.never_worse:
-            given = self._as_given(tokenized, request, frame, max_prompt_tokens)
-            if given is not None and given[0].token_ids != candidates[0][0].token_ids:
+            given = as_given(template, tokenized, regions, frame, max_prompt_tokens)
+            if given is not None and given.plan.token_ids != candidates[0].plan.token_ids:
                 candidates.append(given)
-                has_given = True
-        plan, head_key, order = self._choose(
-            candidates,
-            has_given,
-            residency,
-            stats,
-            self.never_worse_slack + (boundary_slack if self._boundary_slack else 0),
-        )
-        if self.order == "cache-aware":
-            self.tree.insert(head_key, [s.key for s in order])
-        self.sent.record(plan.token_ids)
+                return candidates, True
+        return candidates, False
+
+    def _finish(self, plan: PromptPlan, draft: _Draft) -> PromptPlan:
+        """The chosen plan's dropped chunks and counters (request-local: no lock)."""
+        stats = draft.stats
         plan.dropped = [
             DroppedChunk(s.chunk, s.rank, len(s.token_ids), s.stability)  # type: ignore[arg-type]
-            for s in dropped
+            for s in draft.dropped
         ]
-        stats.num_dropped = len(dropped)
-        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(request.chunks)
+        stats.num_dropped = len(draft.dropped)
+        stats.num_tokens, stats.num_chunks = len(plan.token_ids), len(draft.regions.chunks)
         volatile = [s.start for s in plan.segments if s.stability is Stability.VOLATILE]
         stats.stable_prefix_tokens = volatile[0] if volatile else len(plan.token_ids)
         if self.measure_seams:
@@ -495,145 +384,6 @@ class Assembler:
             return [walked]
         return [walked, canonical]
 
-    def _as_given(
-        self,
-        tokenized: _Tokenized,
-        request: _Request,
-        frame: tuple[Piece, ...],
-        max_prompt_tokens: int | None,
-    ) -> tuple[PromptPlan, bytes, list[Segment]] | None:
-        """The application's own order: statics whole and first, chunks as retrieved."""
-        system = [s for s in tokenized.statics if s.kind is SegmentKind.SYSTEM]
-        head = [system] if system else []
-        head += [[s] for s in tokenized.statics if s.kind is not SegmentKind.SYSTEM]
-        given = _Request(head, request.chunks, [], request.turns, request.question)
-        order = retrieval_order(request.chunks)
-        stats = AssemblyStats(order="retrieval")
-        plan = self._build(given, frame, order, stats)
-        if max_prompt_tokens is not None and len(plan.token_ids) > max_prompt_tokens:
-            return None
-        return plan, _head_key(head), order
-
-    def _choose(
-        self,
-        candidates: list[tuple[PromptPlan, bytes, list[Segment]]],
-        has_given: bool,
-        residency: Residency | None,
-        stats: AssemblyStats,
-        slack: int,
-    ) -> tuple[PromptPlan, bytes, list[Segment]]:
-        """The candidate with the longest cached prefix; ties go to the earliest (canonical).
-
-        ``has_given``: the last candidate is the as-given plan, which must win by more than
-        ``slack`` tokens (a block, plus what the canonical head gave up to end on a text
-        boundary: a price of meaning, not a worse order).
-        """
-        if len(candidates) == 1 and residency is None:
-            plan = candidates[0][0]
-            plan.stats = stats
-            same = "the as-given order is the same prompt" if self.never_worse else "not compared"
-            stats.choice_reason = f"canonical: {same}"
-            return candidates[0]
-        probe = residency if residency is not None else self.sent.cached_prefix_length
-        cached = [probe(plan.token_ids) for plan, _, _ in candidates]
-        best = max(range(len(candidates)), key=cached.__getitem__)
-        if has_given and best == len(candidates) - 1:
-            canonical_best = max(range(len(candidates) - 1), key=cached.__getitem__)
-            if cached[best] - cached[canonical_best] <= slack:
-                best = canonical_best  # a near-tie: the canonical plan is the investment
-        plan, head_key, order = candidates[best]
-        plan.stats = stats
-        canonical = cached[:-1] if has_given else cached
-        stats.expected_canonical = max(canonical)
-        if has_given:
-            stats.expected_as_given = cached[-1]
-            if best == len(candidates) - 1:
-                stats.chosen = "as-given"
-            loser = "canonical" if stats.chosen == "as-given" else "as-given"
-            reason = f"{cached[best]} cached tokens vs {min(cached)} for the {loser} order"
-        else:
-            reason = "the as-given order is the same prompt" if self.never_worse else "not compared"
-        source = "engine residency" if residency is not None else "the assembler's record"
-        stats.choice_reason = f"{stats.chosen}: {reason} ({source})"
-        if residency is not None:
-            plan.expected_cached_tokens = cached[best]
-        return plan, head_key, order
-
-    # -- layout ---------------------------------------------------------------------------
-
-    def _items(self, request: _Request, chunks: Sequence[Segment]) -> list[Any]:
-        """System-message items in order: segment groups, and the chunk list as one item."""
-        items: list[Any] = list(request.head)
-        if chunks:
-            items.append(("chunks", chunks))
-        items.extend(request.tail)
-        return items
-
-    def _length(
-        self, request: _Request, frame: tuple[Piece, ...], chunks: Sequence[Segment]
-    ) -> int:
-        template = self.template
-        items = self._items(request, chunks)
-        total = sum(len(p.token_ids) for p in frame) + len(request.question.token_ids)
-        total += sum(len(t.token_ids) for t in request.turns)
-        total += max(0, len(items) - 1) * len(template.separator.token_ids)
-        for item in items:
-            if isinstance(item, tuple):
-                listed = item[1]
-                total += len(template.context_header.token_ids)
-                total += sum(len(s.token_ids) for s in listed)
-                total += (len(listed) - 1) * len(template.chunk_delimiter.token_ids)
-            else:
-                total += sum(len(s.token_ids) for s in item)
-        return total
-
-    def _build(
-        self,
-        request: _Request,
-        frame: tuple[Piece, ...],
-        chunks: list[Segment],
-        stats: AssemblyStats,
-    ) -> PromptPlan:
-        """Concatenate frame pieces, separators and segment token ids; record the spans."""
-        ids: list[int] = []
-        texts: list[str] = []
-        spans: list[SegmentSpan] = []
-
-        def piece(p: Piece) -> None:
-            ids.extend(p.token_ids)
-            texts.append(p.text)
-
-        def segment(s: Segment) -> None:
-            start = len(ids)
-            ids.extend(s.token_ids)
-            texts.append(s.text)
-            spans.append(
-                SegmentSpan(s.kind, s.stability, start, len(ids), s.key, s.rank, s.demoted)
-            )
-
-        template = self.template
-        piece(frame[0])
-        for i, item in enumerate(self._items(request, chunks)):
-            if i:
-                piece(template.separator)
-            if not isinstance(item, tuple):
-                for s in item:
-                    segment(s)
-                continue
-            piece(template.context_header)
-            for j, chunk in enumerate(item[1]):
-                if j:
-                    piece(template.chunk_delimiter)
-                segment(chunk)
-        for turn, p in zip(request.turns, frame[1:], strict=False):
-            piece(p)
-            segment(turn)
-        piece(frame[-2])
-        segment(request.question)
-        piece(frame[-1])
-
-        return PromptPlan(ids, spans, "".join(texts), stats)
-
     def _measure_seams(self, plan: PromptPlan) -> None:
         reference = self.tokenizer.encode(plan.text)
         matcher = SequenceMatcher(None, plan.token_ids, reference, autojunk=False)
@@ -642,14 +392,12 @@ class Assembler:
         plan.stats.token_count_delta = len(plan.token_ids) - len(reference)
 
 
-def _head_key(head: list[Group]) -> bytes:
-    return content_hash(b"".join(s.key for group in head for s in group))
-
-
-def _text(value: object, what: str, param: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{what} must be str, got {type(value).__name__}.", param=param)
-    return value
+def _probe(residency: Residency, candidate: Candidate) -> int:
+    """The candidate's cached prefix; a handoff answered with it is kept on the candidate."""
+    answer = residency(candidate.plan.token_ids)
+    if isinstance(answer, tuple):
+        answer, candidate.handoff = answer
+    return answer
 
 
 def _config(config: AssemblerConfig | None, settings: dict[str, Any]) -> AssemblerConfig:

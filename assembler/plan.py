@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ragkv.assembler.segments import SegmentKind, Stability
 from ragkv.dedup import Chunk
@@ -80,7 +81,9 @@ class PromptPlan:
 
     ``text`` is the prompt as text (what ``decode(token_ids)`` reads as);
     ``expected_cached_tokens`` is the engine's cached-prefix length for ``token_ids`` when a
-    residency callback was given, else ``None``.
+    residency callback was given, else ``None``. ``prompt_hashes`` is what an engine's
+    residency probe handed back with it (its block hashes of ``token_ids``), for
+    ``engine.generate(..., prompt_hashes=)``; ``None`` otherwise.
     """
 
     token_ids: list[int]
@@ -89,6 +92,7 @@ class PromptPlan:
     stats: AssemblyStats
     dropped: list[DroppedChunk] = field(default_factory=list)
     expected_cached_tokens: int | None = None
+    prompt_hashes: Any = field(default=None, repr=False, compare=False)
 
     def spans(self, kind: SegmentKind | str) -> list[SegmentSpan]:
         """The segment table rows of one kind, in prompt order."""

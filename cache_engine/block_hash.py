@@ -173,6 +173,7 @@ class BlockHasher:
         "_extra",
         "_first_extra",
         "_one",
+        "_algo",
         "inputs",
         "_tail",
     )
@@ -193,6 +194,7 @@ class BlockHasher:
                 raise ConfigError("pass salt or salt_digest, not both")
             salt_digest = digest_salt(salt)
         self._one = resolve_algo(algo)
+        self._algo = algo
         self.block_size = block_size
         self.hashes: list[bytes] = []
         self.num_tokens = 0
@@ -227,6 +229,23 @@ class BlockHasher:
         new = first[0] + hashes
         self.hashes += new
         return new
+
+    def prefix(self, num_blocks: int) -> BlockHasher:
+        """A new hasher that has hashed this one's first ``num_blocks`` full blocks and nothing
+        else: another sequence sharing those blocks extends it from there, and the shared
+        blocks are hashed once. It gets its own digest function (a stateful one is never
+        shared between threads), unless a custom function was given."""
+        if not 0 <= num_blocks <= len(self.hashes):
+            raise InvalidInputError(
+                f"num_blocks must be in [0, {len(self.hashes)}], got {num_blocks}"
+            )
+        fork = BlockHasher.__new__(BlockHasher)
+        fork._one, fork._algo = resolve_algo(self._algo), self._algo
+        fork.block_size, fork._root = self.block_size, self._root
+        fork._extra, fork._first_extra = self._extra, self._first_extra
+        fork.hashes, fork.inputs = self.hashes[:num_blocks], self.inputs[:num_blocks]
+        fork.num_tokens, fork._tail = num_blocks * self.block_size, []
+        return fork
 
 
 def approximate_keys(

@@ -1,9 +1,10 @@
 """The in-process engine: prompts in, exact generations out, every cached prefix block reused.
 
 ``Engine`` is the public face: it loads a model from an :class:`EngineConfig`, validates
-and converts every request in the caller's thread (token ids, the salt's digest, the stop
-matcher), so a bad value fails its caller and is never queued (Invariant 9), and hands it
-to the :class:`~ragkv.cache_engine.engine_core.EngineCore`, whose thread steps the model.
+and converts every request in the caller's thread (token ids, the salt's digest, the
+prompt's block hashes, the stop matcher), so a bad value fails its caller and is never
+queued (Invariant 9), and hands it to the
+:class:`~ragkv.cache_engine.engine_core.EngineCore`, whose thread steps the model.
 ``generate``, ``stream``, ``agenerate`` and ``astream`` (sync or asyncio, from any number
 of threads; :mod:`ragkv.cache_engine.engine_calls`) share one submission path, ``_start``,
 and differ only in how they wait for events.
@@ -11,12 +12,12 @@ and differ only in how they wait for events.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ragkv.cache_engine import offload
-from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.chunk_reuse.source import ChunkReuseSource
 from ragkv.cache_engine.config import EngineConfig
@@ -26,6 +27,7 @@ from ragkv.cache_engine.input_processor import (
     ChunkSpans,
     InputProcessor,
     Prompt,
+    PromptHashes,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.kv_source import KVSource
@@ -127,12 +129,22 @@ class Engine(EngineCalls):
 
         With KV tiers this includes the blocks the tiers hold after the pool's prefix (their
         load is verified when a request asks for them, so the figure is an upper bound)."""
-        if not self.enable_prefix_caching or len(token_ids) < 2:
-            return 0
+        return self.prefix_probe(cache_salt)(token_ids)[0]
+
+    def prefix_probe(
+        self, cache_salt: str | None = None
+    ) -> Callable[[Sequence[int]], tuple[int, PromptHashes | None]]:
+        """A residency probe for one request's candidate prompts (the assembler's).
+
+        The salt is checked and digested once, here. Each call hashes a candidate in the
+        caller's thread, outside the engine's lock, and answers ``(cached tokens, hashes)``
+        (cached tokens as :meth:`cached_prefix_length`); the hashes of the candidate that is
+        sent go with it (``generate(..., prompt_hashes=)``), so its prompt is not hashed
+        again. ``(0, None)`` when prefix caching is off (the request then digests the salt)."""
+        if not self.enable_prefix_caching:
+            return _nothing_cached
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        hasher = self.kv.new_hasher(salt_digest)  # in the caller's thread, outside the lock
-        hasher.extend(token_ids)
-        return self.core.cached_prefix(hasher, len(token_ids)) * self.block_size
+        return _PrefixProbe(self, cache_salt, salt_digest)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""
@@ -183,12 +195,14 @@ class Engine(EngineCalls):
         sink: Sink,
         chunk_spans: Sequence[ChunkSpans | None] | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: Sequence[PromptHashes | None] | None = None,
     ) -> list[str]:
         """The one submission path: validate every request, then queue them; their ids."""
         spans = chunk_spans or [None] * len(prompts)
+        hashes = prompt_hashes or [None] * len(prompts)
         states = [
-            self._make_request(prompt, sp, cache_salt, return_logits, prompt_spans, reuse)
-            for prompt, sp, prompt_spans in zip(prompts, params, spans, strict=True)
+            self._make_request(prompt, sp, cache_salt, return_logits, prompt_spans, reuse, h)
+            for prompt, sp, prompt_spans, h in zip(prompts, params, spans, hashes, strict=True)
         ]
         for state in states:
             self._submit(state, sink)
@@ -202,9 +216,58 @@ class Engine(EngineCalls):
         keep_logits: bool,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: PromptHashes | None = None,
     ) -> RequestState:
         self.core.check_open()
-        return self.inputs.process(prompt, params, cache_salt, keep_logits, chunk_spans, reuse)
+        return self.inputs.process(
+            prompt, params, cache_salt, keep_logits, chunk_spans, reuse, prompt_hashes
+        )
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)
+
+
+class _PrefixProbe:
+    """:meth:`Engine.prefix_probe` for one request. Its candidates often share their head
+    (the template's frame, the system prompt): a candidate's blocks that an earlier one
+    began with are taken from that one's hashes, so each block is hashed once."""
+
+    __slots__ = ("engine", "cache_salt", "salt_digest", "_probed")
+
+    def __init__(self, engine: Engine, cache_salt: str | None, salt_digest: bytes | None) -> None:
+        self.engine = engine
+        self.cache_salt = cache_salt
+        self.salt_digest = salt_digest
+        self._probed: list[tuple[list[int], BlockHasher]] = []
+
+    def __call__(self, token_ids: Sequence[int]) -> tuple[int, PromptHashes]:
+        engine, kv = self.engine, self.engine.kv
+        ids = list(token_ids)  # what the hashes are checked against when a request takes them
+        shared, hasher = 0, None
+        for earlier, earlier_hasher in list(self._probed):
+            blocks = _shared_blocks(earlier, ids, kv.block_size)
+            if blocks > shared:
+                shared, hasher = blocks, earlier_hasher
+        # In the caller's thread, outside the engine's lock.
+        hasher = kv.new_hasher(self.salt_digest) if hasher is None else hasher.prefix(shared)
+        hasher.extend(ids[shared * kv.block_size :])
+        self._probed.append((ids, hasher))
+        hashes = PromptHashes(kv, ids, self.cache_salt, self.salt_digest, hasher)
+        if len(ids) < 2:
+            return 0, hashes
+        return engine.core.cached_prefix(hasher, len(ids)) * engine.block_size, hashes
+
+
+def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """Leading full blocks ``a`` and ``b`` have in common."""
+    blocks = min(len(a), len(b)) // block_size
+    for i in range(blocks):
+        start, end = i * block_size, (i + 1) * block_size
+        if a[start:end] != b[start:end]:
+            return i
+    return blocks
+
+
+def _nothing_cached(token_ids: Sequence[int]) -> tuple[int, None]:
+    """The residency probe of an engine without prefix caching."""
+    return 0, None

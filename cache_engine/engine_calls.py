@@ -15,7 +15,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.cache_engine.input_processor import ChunkSpans, Prompt, pair_prompts, per_prompt_spans
+from ragkv.cache_engine.input_processor import (
+    ChunkSpans,
+    Prompt,
+    PromptHashes,
+    pair_prompts,
+    per_prompt_hashes,
+    per_prompt_spans,
+)
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import RagkvError
@@ -38,6 +45,7 @@ class EngineCalls:
         return_logits: bool = False,
         chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: PromptHashes | Sequence[PromptHashes | None] | None = None,
         **sampling: Any,
     ) -> Output | list[Output]:
         """Generate for one prompt (returns an :class:`Output`) or many (a list, in order).
@@ -52,13 +60,19 @@ class EngineCalls:
         requests that opt in with ``reuse=BlendConfig(...)``: those reuse a chunk found
         anywhere, at another position, re-rotated and partly recomputed. Their answers are
         approximate (``Output.approximate``, ``usage.reused_nonprefix_tokens``).
+
+        ``prompt_hashes``: what a residency probe (``prefix_probe``) handed back for the
+        prompt (for many prompts, one or None each); the prompt is then not hashed again.
         """
         single, batch, params_list = pair_prompts(prompts, params)
         if sampling:
             params_list = [resolve_params(p, sampling) for p in params_list]
         spans = per_prompt_spans(chunk_spans, single, len(batch))
+        hashes = per_prompt_hashes(prompt_hashes, single, len(batch))
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        ids = self._start(batch, params_list, cache_salt, return_logits, events.put, spans, reuse)
+        ids = self._start(
+            batch, params_list, cache_salt, return_logits, events.put, spans, reuse, hashes
+        )
         results: dict[str, Output] = {}
         try:
             while len(results) < len(ids):
@@ -80,11 +94,13 @@ class EngineCalls:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: PromptHashes | None = None,
         **sampling: Any,
     ) -> Iterator[StreamDelta]:
         """Yield text deltas as tokens are generated; the last delta carries the ``output``.
 
-        ``params``, keyword settings, ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
+        ``params``, keyword settings, ``chunk_spans``, ``reuse`` and ``prompt_hashes`` as in
+        :meth:`generate`."""
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         [request_id] = self._start(
             [prompt],
@@ -94,6 +110,7 @@ class EngineCalls:
             events.put,
             [chunk_spans],
             reuse,
+            [prompt_hashes],
         )
         done = False
         try:
@@ -113,11 +130,18 @@ class EngineCalls:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: PromptHashes | None = None,
         **sampling: Any,
     ) -> Output:
         """Asyncio form of :meth:`generate` for one prompt; cancellation aborts the request."""
         async for delta in self.astream(
-            prompt, params, cache_salt=cache_salt, chunk_spans=chunk_spans, reuse=reuse, **sampling
+            prompt,
+            params,
+            cache_salt=cache_salt,
+            chunk_spans=chunk_spans,
+            reuse=reuse,
+            prompt_hashes=prompt_hashes,
+            **sampling,
         ):
             if delta.output is not None:
                 return delta.output
@@ -131,6 +155,7 @@ class EngineCalls:
         cache_salt: str | None = None,
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
+        prompt_hashes: PromptHashes | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
@@ -148,6 +173,7 @@ class EngineCalls:
             sink,
             [chunk_spans],
             reuse,
+            [prompt_hashes],
         )
         done = False
         try:

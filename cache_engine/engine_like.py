@@ -106,4 +106,20 @@ class MayReuseChunks(Protocol):
     supports_chunk_reuse: bool
 
 
-__all__ = ["ChecksHealth", "EngineLike", "MayReuseChunks", "Prompt", "ReportsHealth"]
+@runtime_checkable
+class ProbesPrefix(Protocol):
+    """Hashes each prompt once (the in-process ``Engine``): ``prefix_probe(cache_salt)`` is a
+    residency probe whose calls answer ``(cached tokens, hashes)``, and the hashes of the
+    prompt that is sent go back with it (``generate(..., prompt_hashes=)``)."""
+
+    def prefix_probe(self, cache_salt: str | None = None) -> Any: ...
+
+
+__all__ = [
+    "ChecksHealth",
+    "EngineLike",
+    "MayReuseChunks",
+    "ProbesPrefix",
+    "Prompt",
+    "ReportsHealth",
+]

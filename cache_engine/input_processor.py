@@ -3,6 +3,12 @@
 Everything the stepping thread will use is checked or converted here (the prompt's token
 ids, the sampling parameters, the salt's digest, the seeded generator, the stop matcher),
 so a bad value fails its caller and never a shared step (Invariant 9).
+
+A prompt is hashed once (issue 28): when a residency probe already hashed it
+(:meth:`~ragkv.cache_engine.Engine.prefix_probe`, on the assembler's chosen candidate), its
+:class:`PromptHashes` come with the request and become the request's block hashes, as long
+as they are exactly what this engine would compute for it; otherwise the prompt is hashed
+here.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
@@ -23,6 +29,50 @@ from ragkv.errors import InvalidInputError, PromptTooLongError
 
 Prompt = str | Sequence[int]
 ChunkSpans = Sequence[tuple[int, int]]
+
+
+class PromptHashes:
+    """A prompt's block hashes, computed before its request by a residency probe, for the
+    one request that sends exactly that prompt (``generate(..., prompt_hashes=)``).
+
+    Taken at most once: the request extends them with the tokens it generates, so a second
+    request with the same plan hashes its prompt itself. Trusted only where they are what
+    the engine would compute: made by its KV cache manager (block size, extra keys, hash
+    algorithm), for the same ``cache_salt``, over exactly the prompt's token ids (a copy
+    taken when hashed). Until taken they keep the salt, which the caller holds anyway; the
+    request keeps only its digest.
+    """
+
+    __slots__ = ("salt_digest", "_owner", "_cache_salt", "_token_ids", "_hasher")
+
+    def __init__(
+        self,
+        owner: object,
+        token_ids: list[int],
+        cache_salt: str | None,
+        salt_digest: bytes | None,
+        hasher: BlockHasher,
+    ) -> None:
+        self.salt_digest = salt_digest
+        self._owner = owner
+        self._cache_salt = cache_salt
+        self._token_ids = token_ids
+        self._hasher = [hasher]  # list.pop() hands it to one taker, whichever thread
+
+    def made_for(self, owner: object, cache_salt: str | None) -> bool:
+        """Whether these hashes are ``owner``'s (the engine's KV manager) for this salt."""
+        return owner is self._owner and cache_salt == self._cache_salt
+
+    def take(self, token_ids: list[int]) -> BlockHasher | None:
+        """The hasher, if it hashed exactly ``token_ids`` and no request took it yet."""
+        if token_ids != self._token_ids:
+            return None
+        try:
+            hasher = self._hasher.pop()
+        except IndexError:
+            return None
+        self._cache_salt, self._token_ids = None, []  # nothing more to check against
+        return hasher
 
 
 @dataclass(slots=True)
@@ -49,8 +99,12 @@ class InputProcessor:
         keep_logits: bool,
         chunk_spans: Any = None,
         reuse: Any = None,
+        prompt_hashes: Any = None,
     ) -> RequestState:
-        """Validate and convert one request; raise (with ``param``) on the first bad input."""
+        """Validate and convert one request; raise (with ``param``) on the first bad input.
+
+        ``prompt_hashes`` (:class:`PromptHashes`) spare hashing the prompt again when they
+        match it and this engine; anything else is hashed here."""
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(
                 f"params must be SamplingParams, got {type(params).__name__}", param="params"
@@ -58,7 +112,11 @@ class InputProcessor:
         check_vocabulary(params, self.vocab_size)  # the rest was checked at construction
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidInputError("cache_salt must be a string or None", param="cache_salt")
-        salt_digest = None if cache_salt is None else digest_salt(cache_salt)
+        hashes = self._own_hashes(prompt_hashes, cache_salt)
+        if hashes is not None:  # the probe digested this salt already
+            salt_digest = hashes.salt_digest
+        else:
+            salt_digest = None if cache_salt is None else digest_salt(cache_salt)
         token_ids = self.prompt_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
@@ -82,10 +140,25 @@ class InputProcessor:
             reuse=reuse,
         )
         self.scheduler.check_fits(request)
-        if self.scheduler.config.enable_prefix_caching:  # hashed here, in the caller's thread
-            request.block_hasher = self.scheduler.kv.new_hasher(salt_digest)
-            request.block_hasher.extend(token_ids)
+        if self.scheduler.config.enable_prefix_caching:  # hashed in the caller's thread
+            hasher = None if hashes is None else hashes.take(token_ids)
+            if hasher is None:
+                hasher = self.scheduler.kv.new_hasher(salt_digest)
+                hasher.extend(token_ids)
+            request.block_hasher = hasher
         return self.outputs.new_state(request)
+
+    def _own_hashes(self, prompt_hashes: Any, cache_salt: str | None) -> PromptHashes | None:
+        """``prompt_hashes`` when this engine made them for this salt, else None."""
+        if prompt_hashes is None:
+            return None
+        if not isinstance(prompt_hashes, PromptHashes):
+            raise InvalidInputError(
+                "prompt_hashes must be the PromptHashes an engine's prefix_probe returned (or "
+                f"None), got {type(prompt_hashes).__name__}",
+                param="prompt_hashes",
+            )
+        return prompt_hashes if prompt_hashes.made_for(self.scheduler.kv, cache_salt) else None
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -187,6 +260,23 @@ def per_prompt_spans(
             param="chunk_spans",
         )
     return list(chunk_spans)
+
+
+def per_prompt_hashes(
+    prompt_hashes: Any, single: bool, num_prompts: int
+) -> list[PromptHashes | None] | None:
+    """``generate``'s ``prompt_hashes`` as one entry per prompt (None: none anywhere)."""
+    if prompt_hashes is None:
+        return None
+    if single:
+        return [prompt_hashes]
+    if not isinstance(prompt_hashes, Sequence) or len(prompt_hashes) != num_prompts:
+        raise InvalidInputError(
+            f"for {num_prompts} prompts, prompt_hashes must be a list of {num_prompts} "
+            "PromptHashes (or None each)",
+            param="prompt_hashes",
+        )
+    return list(prompt_hashes)
 
 
 def _is_single_prompt(prompts: Any) -> bool:

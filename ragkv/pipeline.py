@@ -21,7 +21,7 @@ from ragkv.assembler import Assembler, AssemblerConfig, PromptPlan
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import DEFAULT_WINDOW
 from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.cache_engine.engine_like import EngineLike, MayReuseChunks
+from ragkv.cache_engine.engine_like import EngineLike, MayReuseChunks, ProbesPrefix
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
@@ -204,7 +204,9 @@ class Pipeline:
         result = chunks if isinstance(chunks, DedupResult) else self.dedupe(chunks)
         t1 = time.perf_counter()
         residency = None
-        if self.engine.knows_residency:
+        if isinstance(self.engine, ProbesPrefix):  # the sent plan's hashes go on with it
+            residency = self.engine.prefix_probe(cache_salt)
+        elif self.engine.knows_residency:
             residency = functools.partial(self.engine.cached_prefix_length, cache_salt=cache_salt)
         plan = self.assembler_for(namespace if namespace is not None else cache_salt).assemble(
             system=system,
@@ -253,7 +255,7 @@ class Pipeline:
     ) -> Answer:
         """Generate the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
         output = self.engine.generate(
-            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._request_kwargs(prepared)
         )
         return _answer(prepared, output)
 
@@ -262,7 +264,7 @@ class Pipeline:
     ) -> Answer:
         """Asyncio form of :meth:`generate_prepared`."""
         output = await self.engine.agenerate(
-            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._request_kwargs(prepared)
         )
         return _answer(prepared, output)
 
@@ -286,7 +288,7 @@ class Pipeline:
             prepared.plan.token_ids,
             params,
             cache_salt=cache_salt,
-            **self._reuse_kwargs(prepared),
+            **self._request_kwargs(prepared),
         ):
             yield _answer_delta(prepared, delta)
 
@@ -328,7 +330,7 @@ class Pipeline:
     ) -> AsyncIterator[AnswerDelta]:
         """Stream the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
         async for delta in self.engine.astream(
-            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._reuse_kwargs(prepared)
+            prepared.plan.token_ids, params, cache_salt=cache_salt, **self._request_kwargs(prepared)
         ):
             yield _answer_delta(prepared, delta)
 
@@ -444,12 +446,20 @@ class Pipeline:
         """The request's settings, checked in the caller's thread before anything is queued."""
         return resolve_params(self.default_params if params is None else params, sampling)
 
-    def _reuse_kwargs(self, prepared: Prepared) -> dict[str, Any]:
-        """The engine's chunk reuse arguments (none unless the pipeline opted in)."""
-        if self.blend is None:
-            return {}
-        spans = [(span.start, span.end) for span in prepared.plan.spans("chunk")]
-        return {"chunk_spans": spans, "reuse": self.blend}
+    def _request_kwargs(self, prepared: Prepared) -> dict[str, Any]:
+        """The engine's arguments beyond prompt, params and salt: the prompt's hashes when
+        the engine's probe made them (not hashed again), and chunk reuse (only when the
+        pipeline opted in)."""
+        kwargs: dict[str, Any] = {}
+        hashes = prepared.plan.prompt_hashes
+        if hashes is not None and isinstance(self.engine, ProbesPrefix):
+            kwargs["prompt_hashes"] = hashes
+        if self.blend is not None:
+            kwargs["chunk_spans"] = [
+                (span.start, span.end) for span in prepared.plan.spans("chunk")
+            ]
+            kwargs["reuse"] = self.blend
+        return kwargs
 
 
 def _check_reuse(

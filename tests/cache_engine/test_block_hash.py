@@ -128,3 +128,28 @@ def test_bad_salts_are_refused_naming_cache_salt(salt):
     with pytest.raises(InvalidInputError) as info:
         bh.digest_salt(salt)
     assert info.value.param == "cache_salt"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shared=st.lists(st.integers(0, 1000), max_size=40),
+    rest=st.lists(st.integers(0, 1000), max_size=40),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+    algo=st.sampled_from(["xxh3_128", "blake3"]),
+)
+def test_a_prefix_fork_extended_equals_hashing_from_scratch(shared, rest, salt, algo):
+    extra = [("model", "m")]
+    first = BlockHasher(4, extra=extra, salt=salt, algo=algo)
+    first.extend(shared + [7] * 9)
+    fork = first.prefix(len(shared) // 4)
+    fork.extend(shared[len(shared) // 4 * 4 :] + rest)
+    fresh = BlockHasher(4, extra=extra, salt=salt, algo=algo)
+    fresh.extend(shared + rest)
+    assert (fork.hashes, fork.inputs, fork.num_tokens) == (
+        fresh.hashes,
+        fresh.inputs,
+        fresh.num_tokens,
+    )
+    assert first.hashes[: len(shared) // 4] == fork.hashes[: len(shared) // 4]
+    with pytest.raises(InvalidInputError):
+        first.prefix(len(first.hashes) + 1)

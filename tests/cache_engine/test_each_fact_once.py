@@ -1,13 +1,15 @@
 """Each fact about a request is computed once (issue 28): its blocks are hashed once, in the
 caller's thread for the prompt, and kept across preemption; a residency probe hashes its
-tokens once and takes no request state."""
+tokens once and takes no request state, and through a pipeline the probe's hashes are the
+request's and its salt is digested once."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
-from support import ids
+from support import ids, training_text
 
 from ragkv.cache_engine import Engine, SamplingParams, block_hash
 
@@ -63,6 +65,91 @@ def test_a_residency_probe_hashes_once_outside_the_lock_with_no_request(
         assert engine.cached_prefix_length(tokens, cache_salt="tenant") == 0
     assert sum(hashed_blocks.values()) == 2 * (100 // BLOCK)
     assert "ragkv-engine" not in hashed_blocks  # hashed in the caller's thread
+
+
+@pytest.fixture
+def salt_digests(monkeypatch):
+    """Counts cache salts digested (the salt's blake3, whichever module asked)."""
+    count = [0]
+    real = block_hash.blake3
+
+    def counting(data=b"", *args, **kwargs):
+        if bytes(data).startswith(block_hash._SALT_LABEL):
+            count[0] += 1
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(block_hash, "blake3", counting)
+    return count
+
+
+@pytest.fixture
+def probed(monkeypatch):
+    """Every candidate prompt the engine's residency probes were asked about."""
+    prompts: list[list[int]] = []
+    real = Engine.prefix_probe
+
+    def recording(self, cache_salt=None):
+        probe = real(self, cache_salt)
+
+        def call(token_ids):
+            prompts.append(list(token_ids))
+            return probe(token_ids)
+
+        return call
+
+    monkeypatch.setattr(Engine, "prefix_probe", recording)
+    return prompts
+
+
+def _distinct_blocks(prompts: list[list[int]]) -> int:
+    """Full blocks of ``prompts`` that differ by themselves or by what precedes them."""
+    return len({tuple(p[: (k + 1) * BLOCK]) for p in prompts for k in range(len(p) // BLOCK)})
+
+
+def test_a_pipeline_request_hashes_each_block_once_and_digests_its_salt_once(
+    llama_dir, hashed_blocks, salt_digests, probed
+):
+    # Never-worse probes two candidates (canonical and as-given) that share their head.
+    # Before, each probe hashed its whole candidate, the request hashed the sent one again,
+    # and the salt was digested per probe and again by the request.
+    import ragkv
+
+    text = training_text()
+    passages = [text[i][:300] for i in range(4)]
+    system = "Answer the question from the context. " * 4
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=8192) as engine:
+        pipe = ragkv.Pipeline(engine)
+
+        def answer(call, question, chunks):
+            probed.clear()
+            hashed_blocks.clear()
+            salt_digests[0] = 0
+            if call == "answer":
+                result = pipe.answer(question, chunks, system=system, cache_salt="t", params=params)
+            elif call == "stream":
+                deltas = pipe.stream(question, chunks, system=system, cache_salt="t", params=params)
+                result = list(deltas)[-1].answer
+            else:
+                result = asyncio.run(
+                    pipe.aanswer(question, chunks, system=system, cache_salt="t", params=params)
+                )
+            prompt = result.plan.token_ids
+            assert len(probed) == 2 and prompt in probed  # canonical and as-given
+            assert result.plan.stats.expected_as_given is not None
+            assert _distinct_blocks(probed) < sum(len(p) // BLOCK for p in probed)  # shared
+            generated = (len(prompt) + 5) // BLOCK - len(prompt) // BLOCK
+            assert hashed_blocks.get("ragkv-engine", 0) == generated
+            callers = sum(hashed_blocks.values()) - generated
+            assert callers == _distinct_blocks(probed)  # the sent prompt's blocks: once
+            assert salt_digests[0] == 1
+            return result
+
+        first = answer("answer", "What is this about?", passages)
+        second = answer("stream", "And now?", passages[::-1])
+        third = answer("aanswer", "Once more?", passages[1:] + passages[:1])
+    assert second.usage.cached_tokens > 0 and third.usage.cached_tokens > 0
+    assert first.plan.prompt_hashes is not None
 
 
 @pytest.fixture
