@@ -6,13 +6,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.kernels.attention_plan import IntSeq
-from ragkv.kernels.dispatch import next_power_of_2
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch reference needs no triton
-    triton = None
+from ragkv.kernels.dispatch import next_power_of_2, tl, triton
 
 
 def paged_attention_triton(
