@@ -86,14 +86,8 @@ class EngineCalls:
 
         ``params``, keyword settings, ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            events.put,
-            [chunk_spans],
-            reuse,
+        request_id = self._start_one(
+            prompt, params, sampling, cache_salt, chunk_spans, reuse, events.put
         )
         done = False
         try:
@@ -140,15 +134,7 @@ class EngineCalls:
         def sink(event: StreamDelta | BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            sink,
-            [chunk_spans],
-            reuse,
-        )
+        request_id = self._start_one(prompt, params, sampling, cache_salt, chunk_spans, reuse, sink)
         done = False
         try:
             while not done:
@@ -158,6 +144,23 @@ class EngineCalls:
         finally:
             if not done:
                 self.abort(request_id)
+
+    def _start_one(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        sampling: dict[str, Any],
+        cache_salt: str | None,
+        chunk_spans: ChunkSpans | None,
+        reuse: BlendConfig | None,
+        sink: Callable[[StreamDelta | BaseException], None],
+    ) -> str:
+        """Submit one prompt (no logits) whose events go to ``sink``; its request id."""
+        [request_id] = self._start(
+            [prompt], [resolve_params(params, sampling)], cache_salt, False, sink, [chunk_spans],
+            reuse,
+        )  # fmt: skip
+        return request_id
 
 
 def _delta(event: StreamDelta | BaseException) -> StreamDelta:
