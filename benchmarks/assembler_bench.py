@@ -19,9 +19,11 @@ import argparse
 import json
 import pydoc_data.topics
 import random
+import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from ragkv.assembler import Assembler
 from ragkv.defaults import DEFAULT_BLOCK_SIZE
@@ -40,24 +42,12 @@ def load_tokenizer():
         return "shipped SmolLM2-135M-Instruct", AutoTokenizer.from_pretrained(default_model_path())
     except Exception as exc:  # noqa: BLE001 - any failure means "fall back to the local one"
         print(f"shipped tokenizer unavailable ({exc}); training a local byte-level BPE")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from support import CHATML, train_byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=4096,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(pydoc_data.topics.topics.values(), trainer=trainer)
-    chatml = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    tok = train_byte_level_bpe(pydoc_data.topics.topics.values(), vocab_size=4096)
     return "local byte-level BPE (4096)", PreTrainedTokenizerFast(
-        tokenizer_object=tok, chat_template=chatml
+        tokenizer_object=tok, chat_template=CHATML
     )
 
 

@@ -14,10 +14,15 @@ import argparse
 import hashlib
 import pickle
 import random
+import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from ragkv.cache_engine import KVCacheManager, block_hashes
+
+# The test suite's request double: the one copy of the surface the manager reads.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support import CacheReq  # noqa: E402
 
 
 def baseline_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
@@ -39,17 +44,6 @@ def best_seconds(fn, repeat: int) -> float:
     return best
 
 
-@dataclass
-class Req:
-    request_id: int
-    token_ids: list[int]
-    cache_salt: str | None = None
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
-
-
 def manager_us_per_request(
     num_tokens: int, block_size: int, hit: float, repeat: int
 ) -> tuple[float, float]:
@@ -59,17 +53,17 @@ def manager_us_per_request(
     shared = [
         rng.randrange(50_000) for _ in range(int(num_tokens * hit) // block_size * block_size)
     ]
-    warm = Req(-1, shared + [rng.randrange(50_000) for _ in range(num_tokens - len(shared))])
+    warm = CacheReq(-1, shared + [rng.randrange(50_000) for _ in range(num_tokens - len(shared))])
     blocks, n = manager.get_computed_blocks(warm)
     manager.allocate_slots(warm, len(warm.token_ids) - n, blocks)
     manager.free(warm)
     reqs = [
-        Req(i, shared + [rng.randrange(50_000) for _ in range(num_tokens - len(shared))])
+        CacheReq(i, shared + [rng.randrange(50_000) for _ in range(num_tokens - len(shared))])
         for i in range(repeat)
     ]
     hits = []
 
-    def serve(req: Req) -> None:
+    def serve(req: CacheReq) -> None:
         blocks, n = manager.get_computed_blocks(req)
         manager.allocate_slots(req, len(req.token_ids) - n, blocks)
         manager.free(req)

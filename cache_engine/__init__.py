@@ -7,9 +7,9 @@ The engine-side names (``Engine``, ``SamplingParams``, ``Output``, ...) load laz
 pure-Python cache core imports without torch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ragkv._lazy import lazy_attributes
 from ragkv.cache_engine.block_hash import BlockHasher, block_hashes
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
@@ -29,23 +29,19 @@ if TYPE_CHECKING:
     )
     from ragkv.cache_engine.sampling_params import SamplingParams
 
-_LAZY = {
-    "Engine": "ragkv.cache_engine.engine",
-    "EngineHealth": "ragkv.cache_engine.outputs",
-    "EngineStats": "ragkv.cache_engine.outputs",
-    "Output": "ragkv.cache_engine.outputs",
-    "StreamDelta": "ragkv.cache_engine.outputs",
-    "Timings": "ragkv.cache_engine.outputs",
-    "Usage": "ragkv.cache_engine.outputs",
-    "SamplingParams": "ragkv.cache_engine.sampling_params",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ragkv.cache_engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "Engine": "ragkv.cache_engine.engine",
+        "EngineHealth": "ragkv.cache_engine.outputs",
+        "EngineStats": "ragkv.cache_engine.outputs",
+        "Output": "ragkv.cache_engine.outputs",
+        "StreamDelta": "ragkv.cache_engine.outputs",
+        "Timings": "ragkv.cache_engine.outputs",
+        "Usage": "ragkv.cache_engine.outputs",
+        "SamplingParams": "ragkv.cache_engine.sampling_params",
+    },
+)
 
 
 __all__ = [

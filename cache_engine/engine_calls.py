@@ -102,15 +102,8 @@ class EngineCalls:
         ``params``, keyword settings, ``chunk_spans``, ``reuse`` and ``prompt_hashes`` as in
         :meth:`generate`."""
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            events.put,
-            [chunk_spans],
-            reuse,
-            [prompt_hashes],
+        request_id = self._start_one(
+            prompt, params, sampling, cache_salt, chunk_spans, reuse, prompt_hashes, events.put
         )
         done = False
         try:
@@ -165,15 +158,8 @@ class EngineCalls:
         def sink(event: StreamDelta | BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        [request_id] = self._start(
-            [prompt],
-            [resolve_params(params, sampling)],
-            cache_salt,
-            False,
-            sink,
-            [chunk_spans],
-            reuse,
-            [prompt_hashes],
+        request_id = self._start_one(
+            prompt, params, sampling, cache_salt, chunk_spans, reuse, prompt_hashes, sink
         )
         done = False
         try:
@@ -184,6 +170,24 @@ class EngineCalls:
         finally:
             if not done:
                 self.abort(request_id)
+
+    def _start_one(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        sampling: dict[str, Any],
+        cache_salt: str | None,
+        chunk_spans: ChunkSpans | None,
+        reuse: BlendConfig | None,
+        prompt_hashes: PromptHashes | None,
+        sink: Callable[[StreamDelta | BaseException], None],
+    ) -> str:
+        """Submit one prompt (no logits) whose events go to ``sink``; its request id."""
+        [request_id] = self._start(
+            [prompt], [resolve_params(params, sampling)], cache_salt, False, sink, [chunk_spans],
+            reuse, [prompt_hashes],
+        )  # fmt: skip
+        return request_id
 
 
 def _delta(event: StreamDelta | BaseException) -> StreamDelta:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 from ragkv.assembler.template import chat_token_ids
 from ragkv.assembler.tokenization import text_tokenizer
@@ -63,6 +65,10 @@ def check_engine(engine: Any) -> Any:
     return engine
 
 
+# An adapter's ``engine`` field (a pydantic model's): None, or what check_engine lets through.
+EngineField = Annotated[Any, AfterValidator(check_engine)]
+
+
 def engine_for(adapter: Any) -> EngineLike:
     """The engine of a framework adapter: its ``engine`` field, else the shared engine of its
     ``model``/``device``/``dtype`` fields (loaded on first use)."""
@@ -102,6 +108,22 @@ def sampling_params(
     )
 
 
+def adapter_params(
+    adapter: Any, kwargs: Mapping[str, Any], stop: Sequence[str] | None
+) -> SamplingParams:
+    """Sampling parameters from a framework adapter's fields (``max_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``seed``), each overridden by the call's keyword
+    of that name; ``stop`` as the adapter's framework passes it."""
+    return sampling_params(
+        max_tokens=kwargs.get("max_tokens", adapter.max_tokens),
+        temperature=kwargs.get("temperature", adapter.temperature),
+        top_p=kwargs.get("top_p", adapter.top_p),
+        top_k=kwargs.get("top_k", adapter.top_k),
+        seed=kwargs.get("seed", adapter.seed),
+        stop=stop,
+    )
+
+
 def stream_until(
     engine: EngineLike,
     prompt: list[int],
@@ -111,13 +133,12 @@ def stream_until(
     timeout: float | None,
 ) -> Iterator[StreamDelta]:
     """``engine.stream`` that aborts the request once ``timeout`` seconds have passed."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     stream = engine.stream(prompt, params, cache_salt=cache_salt)
     try:
         for delta in stream:
             yield delta
-            if delta.finish_reason is None and deadline and time.monotonic() > deadline:
-                raise RequestAbortedError(f"generation timed out after {timeout} s")
+            _check_deadline(delta, deadline, timeout)
     finally:
         stream.close()  # aborts the engine request if it is still running
 
@@ -131,12 +152,21 @@ async def astream_until(
     timeout: float | None,
 ) -> AsyncIterator[StreamDelta]:
     """Asyncio form of :func:`stream_until`."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     stream = engine.astream(prompt, params, cache_salt=cache_salt)
     try:
         async for delta in stream:
             yield delta
-            if delta.finish_reason is None and deadline and time.monotonic() > deadline:
-                raise RequestAbortedError(f"generation timed out after {timeout} s")
+            _check_deadline(delta, deadline, timeout)
     finally:
         await stream.aclose()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _check_deadline(delta: StreamDelta, deadline: float | None, timeout: float | None) -> None:
+    """Abort (raise) a generation still running past its ``deadline``."""
+    if delta.finish_reason is None and deadline and time.monotonic() > deadline:
+        raise RequestAbortedError(f"generation timed out after {timeout} s")

@@ -15,13 +15,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.errors import InvalidInputError
-from ragkv.kernels.dispatch import Backend, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch reference needs no triton
-    triton = None
+from ragkv.kernels.dispatch import Backend, tl, triton, use_triton
 
 
 def copy_blocks(

@@ -1,29 +1,30 @@
 """Backend choice shared by the ops: Triton for CUDA tensors, torch everywhere else.
 
-Each op module guards its own ``import triton`` so that ``import ragkv.kernels`` works on
-CPU-only installs; the torch references never need triton.
+``triton`` is imported here, once, and is None on CPU-only installs (``import
+ragkv.kernels`` works there; the torch references never need triton): the op modules take
+``triton``/``tl`` from here and define their kernels only when it is not None.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
 
 from ragkv.errors import ConfigError, InvalidInputError
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch references need no triton
+    triton = tl = None
+
 Backend = Literal["auto", "triton", "torch"]
 
 
-@functools.cache
 def triton_available() -> bool:
     """Whether ``triton`` can be imported here."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton is not None
 
 
 def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:

@@ -9,13 +9,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.errors import InvalidInputError
-from ragkv.kernels.dispatch import Backend, check_cache, next_power_of_2, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch reference needs no triton
-    triton = None
+from ragkv.kernels.dispatch import Backend, check_cache, next_power_of_2, tl, triton, use_triton
 
 
 def store_kv(

@@ -10,9 +10,9 @@ stage importing :mod:`ragkv.errors` never cycles back through this file.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ragkv._lazy import lazy_attributes
 from ragkv._version import __version__
 from ragkv.errors import RagkvError
 
@@ -22,23 +22,19 @@ if TYPE_CHECKING:
     from ragkv.cache_engine.chunk_reuse import BlendConfig
     from ragkv.pipeline import Answer, Pipeline
 
-_LAZY = {
-    "Pipeline": "ragkv.pipeline",
-    "Answer": "ragkv.pipeline",
-    "BlendConfig": "ragkv.cache_engine.chunk_reuse",
-    "Engine": "ragkv.cache_engine",
-    "EngineConfig": "ragkv.cache_engine",
-    "SamplingParams": "ragkv.cache_engine",
-    "SystemPrompt": "ragkv.assembler",
-    "Volatile": "ragkv.assembler",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ragkv' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "Pipeline": "ragkv.pipeline",
+        "Answer": "ragkv.pipeline",
+        "BlendConfig": "ragkv.cache_engine.chunk_reuse",
+        "Engine": "ragkv.cache_engine",
+        "EngineConfig": "ragkv.cache_engine",
+        "SamplingParams": "ragkv.cache_engine",
+        "SystemPrompt": "ragkv.assembler",
+        "Volatile": "ragkv.assembler",
+    },
+)
 
 
 __all__ = [

@@ -245,9 +245,7 @@ class Pipeline:
         keyword settings that change it: ``answer(q, chunks, max_tokens=64, temperature=0.7)``.
         """
         params = self._params(params, sampling)
-        prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
-        )
+        prepared = self._prepare_call(question, chunks, system, history, cache_salt, params)
         return self.generate_prepared(prepared, params, cache_salt=cache_salt)
 
     def generate_prepared(
@@ -281,9 +279,13 @@ class Pipeline:
     ) -> Iterator[AnswerDelta]:
         """Like :meth:`answer`, yielding text as it is generated; the last delta has the answer."""
         params = self._params(params, sampling)
-        prepared = self.prepare(
-            question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
-        )
+        prepared = self._prepare_call(question, chunks, system, history, cache_salt, params)
+        yield from self.stream_prepared(prepared, params, cache_salt=cache_salt)
+
+    def stream_prepared(
+        self, prepared: Prepared, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> Iterator[AnswerDelta]:
+        """Stream the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
         for delta in self.engine.stream(
             prepared.plan.token_ids,
             params,
@@ -328,7 +330,7 @@ class Pipeline:
     async def astream_prepared(
         self, prepared: Prepared, params: SamplingParams, *, cache_salt: str | None = None
     ) -> AsyncIterator[AnswerDelta]:
-        """Stream the answer to a :meth:`prepare` d request (same ``cache_salt``)."""
+        """Asyncio form of :meth:`stream_prepared`."""
         async for delta in self.engine.astream(
             prepared.plan.token_ids, params, cache_salt=cache_salt, **self._request_kwargs(prepared)
         ):
@@ -407,7 +409,7 @@ class Pipeline:
         seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
         return seqs if isinstance(seqs, int) and seqs > 0 else 16
 
-    async def _aprepare(
+    def _prepare_call(
         self,
         question: str,
         chunks: Iterable[ChunkLike],
@@ -416,16 +418,16 @@ class Pipeline:
         cache_salt: str | None,
         params: SamplingParams,
     ) -> Prepared:
-        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
-        return await asyncio.to_thread(
-            self.prepare,
-            question,
-            chunks,
-            system=system,
-            history=history,
-            cache_salt=cache_salt,
-            params=params,
+        """:meth:`prepare` for :meth:`answer` and :meth:`stream` (and, through
+        :meth:`_aprepare`, their asyncio forms): the one place they dedup and assemble."""
+        return self.prepare(
+            question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
         )
+
+    async def _aprepare(self, *args: Any) -> Prepared:
+        """:meth:`_prepare_call` (same arguments) off the event loop: dedup hashing,
+        tokenization and the residency probe are CPU work."""
+        return await asyncio.to_thread(self._prepare_call, *args)
 
     def prompt_budget(self, params: SamplingParams) -> int | None:
         """Prompt tokens a request may take: ``max_prompt_tokens`` if given, else what the

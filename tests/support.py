@@ -2,15 +2,25 @@
 
 Nothing here downloads anything: configs are written in code, weights are random with a
 fixed seed, and the tokenizer is a byte-level BPE trained on CPython's own docs.
+
+The benchmark scripts import it too (``tests`` put on ``sys.path``), for the same tiny
+model, tokenizer and cache-manager request.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import random
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -19,7 +29,7 @@ TINY_VOCAB = 512
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-_CHAT_TEMPLATE = (
+CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -32,21 +42,27 @@ def training_text() -> list[str]:
     return [topics[k] for k in sorted(topics)][:120]
 
 
-@cache
-def _tokenizer_json() -> str:
+def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus``, with the ChatML
+    special tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(training_text(), trainer)
-    return tok.to_str()
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+@cache
+def _tokenizer_json() -> str:
+    return train_byte_level_bpe(training_text(), TINY_VOCAB).to_str()
 
 
 def tiny_tokenizer():
@@ -60,7 +76,7 @@ def tiny_tokenizer():
         eos_token="<|im_end|>",
         unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=_CHAT_TEMPLATE,
+        chat_template=CHATML,
     )
 
 
@@ -104,6 +120,17 @@ def save_tiny_checkpoint(
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+@contextmanager
+def tiny_engine(directory: Path, seed: int, **settings: Any) -> Iterator[Any]:
+    """An in-process CPU ``Engine`` over a tiny llama checkpoint written into ``directory``
+    (``settings``: ``Engine.from_pretrained`` keywords); closed on exit."""
+    from ragkv.cache_engine import Engine
+
+    path = save_tiny_checkpoint(directory, "llama", seed=seed)
+    with Engine.from_pretrained(path, device="cpu", **settings) as engine:
+        yield engine
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -174,3 +201,65 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
+
+
+@contextmanager
+def benchmark_script(name: str) -> Iterator[ModuleType]:
+    """``benchmarks/<name>.py`` imported as the module ``ragkv_<name>``; it stays in
+    ``sys.modules`` while in use (dataclasses look their module up there)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ragkv_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def paged_kv(
+    seq_lens: Sequence[int],
+    order: torch.Tensor,
+    gen: torch.Generator,
+    *,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A paged KV cache as the engine leaves it: NaN everywhere but the sequences' tokens.
+
+    Sequence ``i`` gets ``seq_lens[i]`` random K/V rows (drawn from ``gen``), stored through
+    the torch ``store_kv`` into the next blocks of ``order`` (a permutation of the cache's
+    blocks). Returns (k_cache, v_cache, block table with two padding columns, each
+    sequence's unpaged (k, v)).
+    """
+    from ragkv.kernels import store_kv
+
+    need = [math.ceil(seq_len / block_size) for seq_len in seq_lens]
+    shape = (len(order), block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    table = torch.zeros(len(seq_lens), max(need) + 2, dtype=torch.int32)
+    kv, used = [], 0
+    for i, (seq_len, n) in enumerate(zip(seq_lens, need, strict=True)):
+        table[i, :n] = order[used : used + n]
+        used += n
+        k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(seq_len)
+        slots = table[i, pos // block_size].long() * block_size + pos % block_size
+        store_kv(k, v, k_cache, v_cache, slots, backend="torch")
+        kv.append((k, v))
+    return k_cache, v_cache, table, kv
+
+
+def race(write: Callable[[int], None], read: Callable[[], None], timeout_s: float) -> None:
+    """``write(0)``, ``write(1)`` and ``read()`` twice, on four threads at once; joined."""
+    threads = [threading.Thread(target=write, args=(k,)) for k in (0, 1)]
+    threads += [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)

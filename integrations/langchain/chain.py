@@ -107,6 +107,9 @@ def create_rag_chain(
                 for chunk in _chunks(delta, docs):
                     yield chunk
 
+    def questions(inputs: list[str | dict[str, Any]]) -> list[str]:
+        return [_parse(item, system)[0] for item in inputs]
+
     def items(
         inputs: list[str | dict[str, Any]], docs: list[Any]
     ) -> list[BatchItem | BaseException]:
@@ -124,10 +127,17 @@ def create_rag_chain(
         return out
 
     def results(
-        answers: list[Any], docs: list[Any], return_exceptions: bool
+        batch: list[BatchItem | BaseException],
+        answers: list[Any],
+        docs: list[Any],
+        return_exceptions: bool,
     ) -> list[dict[str, Any] | BaseException]:
+        """The outputs in the inputs' order: ``answers`` are those of the batch's items, in
+        order; an input whose retrieval failed keeps its exception."""
+        answered = iter(answers)
         out: list[dict[str, Any] | BaseException] = []
-        for answer, found in zip(answers, docs, strict=True):
+        for item, found in zip(batch, docs, strict=True):
+            answer = item if isinstance(item, BaseException) else next(answered)
             if isinstance(answer, BaseException):
                 if not return_exceptions:
                     raise answer
@@ -147,13 +157,12 @@ def create_rag_chain(
         ) -> list[Any]:
             if not inputs:
                 return []
-            questions = [_parse(item, system)[0] for item in inputs]
-            docs = retriever.batch(questions, config, return_exceptions=return_exceptions)
-            return results(
-                _answer_items(pipeline, items(inputs, docs), params(), return_exceptions),
-                docs,
-                return_exceptions,
+            docs = retriever.batch(questions(inputs), config, return_exceptions=return_exceptions)
+            batch = items(inputs, docs)
+            answers = pipeline.answer_batch(
+                _answerable(batch), params=params(), return_exceptions=return_exceptions
             )
+            return results(batch, answers, docs, return_exceptions)
 
         async def abatch(
             self,
@@ -165,49 +174,21 @@ def create_rag_chain(
         ) -> list[Any]:
             if not inputs:
                 return []
-            questions = [_parse(item, system)[0] for item in inputs]
-            docs = await retriever.abatch(questions, config, return_exceptions=return_exceptions)
+            docs = await retriever.abatch(
+                questions(inputs), config, return_exceptions=return_exceptions
+            )
             batch = items(inputs, docs)
-            answers = await _aanswer_items(pipeline, batch, params(), return_exceptions)
-            return results(answers, docs, return_exceptions)
+            answers = await pipeline.aanswer_batch(
+                _answerable(batch), params=params(), return_exceptions=return_exceptions
+            )
+            return results(batch, answers, docs, return_exceptions)
 
     return RagChain(transform, atransform, name="ragkv_rag_chain")
 
 
-def _answer_items(
-    pipeline: Pipeline,
-    items: list[Any],
-    params: SamplingParams | None,
-    return_exceptions: bool,
-) -> list[Any]:
-    """Answers of the batch items; an input whose retrieval failed keeps its exception."""
-    valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
-    answers = pipeline.answer_batch(
-        [items[i] for i in valid], params=params,
-        return_exceptions=return_exceptions,
-    )  # fmt: skip
-    return _put_back(items, valid, answers)
-
-
-async def _aanswer_items(
-    pipeline: Pipeline,
-    items: list[Any],
-    params: SamplingParams | None,
-    return_exceptions: bool,
-) -> list[Any]:
-    valid = [i for i, item in enumerate(items) if isinstance(item, BatchItem)]
-    answers = await pipeline.aanswer_batch(
-        [items[i] for i in valid], params=params,
-        return_exceptions=return_exceptions,
-    )  # fmt: skip
-    return _put_back(items, valid, answers)
-
-
-def _put_back(items: list[Any], valid: list[int], answers: list[Any]) -> list[Any]:
-    out = list(items)
-    for i, answer in zip(valid, answers, strict=True):
-        out[i] = answer
-    return out
+def _answerable(batch: list[BatchItem | BaseException]) -> list[BatchItem]:
+    """The batch items to answer: all but the inputs whose retrieval failed."""
+    return [item for item in batch if isinstance(item, BatchItem)]
 
 
 def _chunks(delta: AnswerDelta, docs: list[Document]) -> Iterator[AddableDict]:

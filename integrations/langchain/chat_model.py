@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import (
@@ -13,7 +13,7 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from ragkv.cache_engine import Output, SamplingParams
 from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
@@ -21,11 +21,11 @@ from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import InvalidInputError
 from ragkv.integrations._engine import (
+    EngineField,
+    adapter_params,
     astream_until,
     chat_prompt_ids,
-    check_engine,
     engine_for,
-    sampling_params,
     stream_until,
 )
 
@@ -49,7 +49,7 @@ class ChatRagKV(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (checked below).
-    engine: Any = Field(default=None, exclude=True, repr=False)
+    engine: EngineField = Field(default=None, exclude=True, repr=False)
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
@@ -63,11 +63,6 @@ class ChatRagKV(BaseChatModel):
     max_retries: int = 2
     cache_salt: str | None = None
     streaming: bool = False
-
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, engine: Any) -> Any:
-        return check_engine(engine)
 
     @property
     def _llm_type(self) -> str:
@@ -137,8 +132,7 @@ class ChatRagKV(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        engine, prompt, params, salt = self._request(messages, stop, kwargs)
-        for delta in stream_until(engine, prompt, params, cache_salt=salt, timeout=self.timeout):
+        for delta in self._deltas(messages, stop, kwargs, stream_until):
             chunk = _chunk(delta.text, delta.output, self.model_name)
             if run_manager and (delta.text or delta.output):
                 run_manager.on_llm_new_token(delta.text, chunk=chunk)
@@ -151,10 +145,7 @@ class ChatRagKV(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, prompt, params, salt = self._request(messages, stop, kwargs)
-        async for delta in astream_until(
-            engine, prompt, params, cache_salt=salt, timeout=self.timeout
-        ):
+        async for delta in self._deltas(messages, stop, kwargs, astream_until):
             chunk = _chunk(delta.text, delta.output, self.model_name)
             if run_manager and (delta.text or delta.output):
                 await run_manager.on_llm_new_token(delta.text, chunk=chunk)
@@ -163,22 +154,22 @@ class ChatRagKV(BaseChatModel):
     # -- helpers --------------------------------------------------------------------------
     def sampling_params(self, stop: list[str] | None = None, **kwargs: Any) -> SamplingParams:
         """Engine sampling parameters from the fields, overridden by per-call kwargs."""
-        return sampling_params(
-            max_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            seed=kwargs.get("seed", self.seed),
-            stop=stop if stop is not None else self.stop,
-        )
+        return adapter_params(self, kwargs, stop if stop is not None else self.stop)
 
-    def _request(
-        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[EngineLike, list[int], SamplingParams, str | None]:
+    def _deltas(
+        self,
+        messages: Sequence[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        until: Callable[..., Any],
+    ) -> Any:
+        """The engine's deltas for ``messages``: ``until`` is ``stream_until`` or
+        ``astream_until`` (the generation's ``timeout`` applied)."""
         engine = self.get_engine()
         prompt = chat_prompt_ids(engine.tokenizer, [_to_chat(m) for m in messages])
         salt = kwargs.get("cache_salt", self.cache_salt)
-        return engine, prompt, self.sampling_params(stop, **kwargs), salt
+        params = self.sampling_params(stop, **kwargs)
+        return until(engine, prompt, params, cache_salt=salt, timeout=self.timeout)
 
 
 def _to_chat(message: BaseMessage) -> dict[str, str]:

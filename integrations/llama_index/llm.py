@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -17,7 +17,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -26,11 +26,11 @@ from ragkv.cache_engine import Output, SamplingParams
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations._engine import (
+    EngineField,
+    adapter_params,
     astream_until,
     chat_prompt_ids,
-    check_engine,
     engine_for,
-    sampling_params,
     stream_until,
 )
 
@@ -47,7 +47,7 @@ class RagKVLLM(CustomLLM):
     ``completion_tokens``, ``total_tokens`` and ``cached_tokens`` in ``additional_kwargs``.
     """
 
-    engine: Any = Field(default=None, exclude=True)
+    engine: EngineField = Field(default=None, exclude=True)
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
@@ -59,11 +59,6 @@ class RagKVLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list)
     timeout: float | None = None
     cache_salt: str | None = None
-
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, engine: Any) -> Any:
-        return check_engine(engine)
 
     @classmethod
     def class_name(cls) -> str:
@@ -86,14 +81,7 @@ class RagKVLLM(CustomLLM):
 
     def sampling_params(self, **kwargs: Any) -> SamplingParams:
         """Engine sampling parameters from the fields, overridden by per-call kwargs."""
-        return sampling_params(
-            max_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            seed=kwargs.get("seed", self.seed),
-            stop=kwargs.get("stop", self.stop),
-        )
+        return adapter_params(self, kwargs, kwargs.get("stop", self.stop))
 
     # -- completion ---------------------------------------------------------------------
     @llm_completion_callback()
@@ -157,10 +145,14 @@ class RagKVLLM(CustomLLM):
             return list(self.get_engine().tokenizer(prompt, add_special_tokens=False).input_ids)
         return self._chat_ids([ChatMessage(role=MessageRole.USER, content=prompt)])
 
-    def _deltas(self, ids: list[int], kwargs: dict[str, Any]) -> Any:
+    def _deltas(
+        self, ids: list[int], kwargs: dict[str, Any], until: Callable[..., Any] = stream_until
+    ) -> Any:
+        """The engine's deltas for ``ids``: ``until`` is ``stream_until`` or ``astream_until``
+        (the generation's ``timeout`` applied)."""
         params = self.sampling_params(**kwargs)
         salt = kwargs.get("cache_salt", self.cache_salt)
-        return stream_until(self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout)
+        return until(self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout)
 
     def _completions(self, deltas: Any) -> CompletionResponseGen:
         merge = _LastWithUsage()
@@ -170,12 +162,8 @@ class RagKVLLM(CustomLLM):
     async def _acompletions(
         self, ids: list[int], kwargs: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
-        params = self.sampling_params(**kwargs)
-        salt = kwargs.get("cache_salt", self.cache_salt)
         merge = _LastWithUsage()
-        async for delta in astream_until(
-            self.get_engine(), ids, params, cache_salt=salt, timeout=self.timeout
-        ):
+        async for delta in self._deltas(ids, kwargs, astream_until):
             for response in merge.feed(delta):
                 yield response
 

@@ -97,9 +97,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> Response | StreamingResponse:
-        question = query.query_str if isinstance(query, QueryBundle) else query
-        sources = [*nodes, *(additional_source_nodes or ())]
-        chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
+        question, chunks, sources = self._inputs(query, nodes, additional_source_nodes)
         if self._streaming:
             deltas = self.pipeline.stream(question, chunks, **self._call_kwargs())
             metadata: dict[str, Any] = {}  # filled when the last delta arrives
@@ -116,9 +114,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> Response | AsyncStreamingResponse:
-        question = query.query_str if isinstance(query, QueryBundle) else query
-        sources = [*nodes, *(additional_source_nodes or ())]
-        chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
+        question, chunks, sources = self._inputs(query, nodes, additional_source_nodes)
         if self._streaming:
             deltas = self.pipeline.astream(question, chunks, **self._call_kwargs())
             metadata: dict[str, Any] = {}
@@ -161,12 +157,22 @@ class RagKVSynthesizer(BaseSynthesizer):
     ) -> tuple[list[BatchItem], list[list[NodeWithScore]]]:
         items, nodes = [], []
         for query, found in queries:
-            question = query.query_str if isinstance(query, QueryBundle) else query
-            chunks = [node_to_chunk(n, self.metadata_mode) for n in found]
+            question, chunks, _ = self._inputs(query, found)
             items.append(BatchItem(question, chunks, system=self.system,
                                    cache_salt=self._llm.cache_salt))  # fmt: skip
             nodes.append(found)
         return items, nodes
+
+    def _inputs(
+        self,
+        query: str | QueryBundle,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+    ) -> tuple[str, list[Chunk], list[NodeWithScore]]:
+        """The question, one chunk per node (its text as the LLM sees it) and the sources."""
+        question = query.query_str if isinstance(query, QueryBundle) else query
+        chunks = [node_to_chunk(n, self.metadata_mode) for n in nodes]
+        return question, chunks, [*nodes, *(additional_source_nodes or ())]
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> str:
         """The answer text for plain text chunks (the ``BaseSynthesizer`` hook)."""

@@ -17,20 +17,22 @@ in httpx clients or FastAPI.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ragkv._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ragkv.integrations.openai.client import RemoteEngine
     from ragkv.integrations.openai.tokenizer import load_tokenizer
 
 
-def __getattr__(name: str) -> Any:
-    if name == "RemoteEngine":
-        return importlib.import_module("ragkv.integrations.openai.client").RemoteEngine
-    if name == "load_tokenizer":
-        return importlib.import_module("ragkv.integrations.openai.tokenizer").load_tokenizer
-    raise AttributeError(f"module 'ragkv.integrations.openai' has no attribute {name!r}")
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "RemoteEngine": "ragkv.integrations.openai.client",
+        "load_tokenizer": "ragkv.integrations.openai.tokenizer",
+    },
+)
 
 
 __all__ = ["RemoteEngine", "load_tokenizer"]

@@ -148,17 +148,15 @@ class RemoteEngine:
         """Text deltas as the server streams them; the last one carries ``finish_reason`` and
         the ``output``. Closing the iterator closes the connection, which a server like
         ``ragkv serve`` or vLLM treats as an abort."""
-        ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
+        payload, state = self._stream_request(prompt, resolve_params(params, sampling), cache_salt)
         response = self._send(payload, stream=True)
-        state = StreamState(ids, start, start + self.deadline_s)
         try:
             for line in response.iter_lines():
                 delta = state.feed_line(line)
                 if delta is not None:
                     yield delta
         except httpx.TransportError as exc:
-            raise RemoteEngineError(f"stream from {self.base_url} broke: {exc}") from exc
+            raise self._broke("stream", exc) from exc
         finally:
             response.close()
         yield state.finish()
@@ -178,7 +176,7 @@ class RemoteEngine:
         try:
             body = await aanswer_json(response.aiter_bytes(), start + self.deadline_s)
         except httpx.TransportError as exc:
-            raise RemoteEngineError(f"answer from {self.base_url} broke: {exc}") from exc
+            raise self._broke("answer", exc) from exc
         finally:
             await response.aclose()
         return output_of(body, ids, start)
@@ -192,17 +190,15 @@ class RemoteEngine:
         **sampling: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Asyncio form of :meth:`stream`; cancelling it closes the connection."""
-        ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=True)
+        payload, state = self._stream_request(prompt, resolve_params(params, sampling), cache_salt)
         response = await self._asend(payload, stream=True)
-        state = StreamState(ids, start, start + self.deadline_s)
         try:
             async for line in response.aiter_lines():
                 delta = state.feed_line(line)
                 if delta is not None:
                     yield delta
         except httpx.TransportError as exc:
-            raise RemoteEngineError(f"stream from {self.base_url} broke: {exc}") from exc
+            raise self._broke("stream", exc) from exc
         finally:
             await response.aclose()
         yield state.finish()
@@ -258,7 +254,7 @@ class RemoteEngine:
         try:
             body = answer_json(response.iter_bytes(), start + self.deadline_s)
         except httpx.TransportError as exc:
-            raise RemoteEngineError(f"answer from {self.base_url} broke: {exc}") from exc
+            raise self._broke("answer", exc) from exc
         finally:
             response.close()
         return output_of(body, ids, start)
@@ -281,6 +277,18 @@ class RemoteEngine:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
+
+    def _stream_request(
+        self, prompt: Prompt, params: SamplingParams, cache_salt: str | None
+    ) -> tuple[dict[str, Any], StreamState]:
+        """A streamed request's body, and the state its SSE lines feed (the clock starts now)."""
+        ids, start = self._prompt_ids(prompt), time.perf_counter()
+        payload = self._payload(prompt, params, cache_salt, stream=True)
+        return payload, StreamState(ids, start, start + self.deadline_s)
+
+    def _broke(self, what: str, exc: httpx.TransportError) -> RemoteEngineError:
+        """A connection that broke while the ``what`` (answer or stream) was being read."""
+        return RemoteEngineError(f"{what} from {self.base_url} broke: {exc}")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

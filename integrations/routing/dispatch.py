@@ -82,10 +82,8 @@ class Dispatcher:
                 self._release(replica)
                 raise
             except BaseException as exc:
-                if not started:
-                    self._failed(replica, route, exc)
-                    continue
-                self._failed_midstream(replica, exc)
+                self._stream_failed(replica, route, exc, started)
+                continue
             finally:
                 _close(deltas)
             self._finish_stream(replica, route, output)
@@ -107,10 +105,8 @@ class Dispatcher:
                 self._release(replica)
                 raise
             except BaseException as exc:
-                if not started:
-                    self._failed(replica, route, exc)
-                    continue
-                self._failed_midstream(replica, exc)
+                self._stream_failed(replica, route, exc, started)
+                continue
             finally:
                 closer = getattr(deltas, "aclose", None)
                 if closer is not None:
@@ -171,8 +167,14 @@ class Dispatcher:
         if not moving_on:
             raise _exhausted(route, len(route.tried)) from exc
 
-    def _failed_midstream(self, replica: Replica, exc: BaseException) -> None:
-        """A failure after deltas reached the caller: raised, never re-sent."""
+    def _stream_failed(
+        self, replica: Replica, route: Route, exc: BaseException, started: bool
+    ) -> None:
+        """A failed stream: before its first delta as :meth:`_failed` (return to try the next
+        replica); after deltas reached the caller, raised, never re-sent."""
+        if not started:
+            self._failed(replica, route, exc)
+            return
         with self.lock:
             replica.stats.in_flight -= 1
             if failure_kind(exc) == "replica":

@@ -46,7 +46,8 @@ import asyncio
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,32 +167,26 @@ def run_lane(
     """Replay ``workload`` through a fresh engine from ``make_engine(spec)``."""
     if concurrency < 1:
         raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
-    started = time.perf_counter()
-    engine = make_engine(spec)
-    load_s = time.perf_counter() - started
-    try:
-        pipeline = build_pipeline(spec, engine)
+    with _fresh_engine(spec, make_engine) as run:
+        pipeline = build_pipeline(spec, run.engine)
         bar = _progress(len(workload.requests), spec.name, progress)
         t0 = time.perf_counter()
         if spec.batch:
             answers = _run_batch(pipeline, workload.requests, params, concurrency, bar)
         else:
             answers = run_coroutine(_replay(pipeline, workload.requests, params, concurrency, bar))
-        wall_s = time.perf_counter() - t0
+        run.wall_s = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        stats = engine.stats()
-        kv_tokens = engine.kv_cache_tokens
-    finally:
-        engine.close()
     records = [
         _record(spec, pipeline, request, answer)
         for request, answer in zip(workload.requests, answers, strict=True)
     ]
     sessions = {r.index: r.session_id for r in workload.requests}
     return LaneResult(
-        spec, records, stats, wall_s, load_s, kv_tokens, answers if keep_answers else [], sessions
-    )
+        spec, records, run.stats, run.wall_s, run.load_s, run.kv_tokens,
+        answers if keep_answers else [], sessions,
+    )  # fmt: skip
 
 
 def run_blend_lane(
@@ -208,17 +203,10 @@ def run_blend_lane(
     from ragkv.cache_engine.chunk_reuse import BlendConfig
 
     blend = blend or BlendConfig()
-    started = time.perf_counter()
-    engine = make_engine(spec)
-    load_s = time.perf_counter() - started
-    try:
+    with _fresh_engine(spec, make_engine) as run:
         t0 = time.perf_counter()
-        outputs = run_coroutine(_replay_plans(engine, exact, params, blend, concurrency))
-        wall_s = time.perf_counter() - t0
-        stats = engine.stats()
-        kv_tokens = engine.kv_cache_tokens
-    finally:
-        engine.close()
+        outputs = run_coroutine(_replay_plans(run.engine, exact, params, blend, concurrency))
+        run.wall_s = time.perf_counter() - t0
     records = []
     for base, answer, output in zip(exact.records, exact.answers, outputs, strict=True):
         prep = answer.timings["dedup_s"] + answer.timings["assemble_s"]
@@ -235,7 +223,34 @@ def run_blend_lane(
                 reused_nonprefix_tokens=output.usage.reused_nonprefix_tokens,
             )
         )
-    return LaneResult(spec, records, stats, wall_s, load_s, kv_tokens)
+    return LaneResult(spec, records, run.stats, run.wall_s, run.load_s, run.kv_tokens)
+
+
+@dataclass(slots=True)
+class _EngineRun:
+    """A lane's engine and what the lane reports of it: load and replay seconds (the lane
+    times its replay), and the counters and KV size read before it closed."""
+
+    engine: Any
+    load_s: float
+    wall_s: float = 0.0
+    stats: Any = None  # EngineStats
+    kv_tokens: int = 0
+
+
+@contextmanager
+def _fresh_engine(spec: LaneSpec, make_engine: Callable[[LaneSpec], Any]) -> Iterator[_EngineRun]:
+    """A fresh engine from ``make_engine(spec)``, its load timed; closed on exit, after its
+    stats are read (unless the lane failed)."""
+    started = time.perf_counter()
+    engine = make_engine(spec)
+    run = _EngineRun(engine, time.perf_counter() - started)
+    try:
+        yield run
+        run.stats = engine.stats()
+        run.kv_tokens = engine.kv_cache_tokens
+    finally:
+        engine.close()
 
 
 async def _replay_plans(

@@ -24,7 +24,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from ragkv.bench.lanes import LaneResult, LaneSpec, lane_specs, run_lane
-from ragkv.bench.report import determinism, lane_summary, machine_info
+from ragkv.bench.report import (
+    determinism,
+    determinism_line,
+    lane_summary,
+    machine_info,
+    ratio_parts,
+    table_lines,
+)
 from ragkv.bench.runner import BenchConfig, model_path, profile_workload, resolve_dtype
 from ragkv.bench.workload import Workload
 from ragkv.errors import ConfigError
@@ -240,31 +247,11 @@ _COLUMNS = (
 
 def format_replica_table(report: dict[str, Any]) -> str:
     """The replica lanes' table, the prefix lane's ratios and the determinism line."""
-    rows = [[title for title, _, _ in _COLUMNS]]
-    for name, lane in report["lanes"].items():
-        cells = [name]
-        for _, fmt, key in _COLUMNS[1:]:
-            value = lane[key]
-            cells.append(
-                "/".join(map(str, value)) if isinstance(value, list) else fmt.format(value)
-            )
-        rows.append(cells)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
+    lines = table_lines(report["lanes"], _COLUMNS)
     r = report["ratios"]
-    parts = [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in r.items() if isinstance(v, float)]
+    parts = ratio_parts(r)
     if parts:
         lines.append("prefix routing  " + "; ".join(parts) + f"  targets met: {r['targets_met']}")
     d = report["determinism"]
-    lines.append(
-        f"determinism: {d['identical_prompt_pairs']} identical-prompt pairs across lanes, "
-        f"{d['mismatches']} mismatches ({'ok' if d['ok'] else 'MISMATCH'})"
-    )
+    lines.append(determinism_line(d, "ok" if d["ok"] else "MISMATCH"))
     return "\n".join(lines)

@@ -258,10 +258,30 @@ _COLUMNS = (
 
 def format_table(report: dict[str, Any]) -> str:
     """The per-lane table plus ratio and determinism lines, for the terminal."""
-    rows = [[title for title, _, _ in _COLUMNS]]
-    for name, lane in report["lanes"].items():
-        rows.append([name] + [fmt.format(lane[key]) for _, fmt, key in _COLUMNS[1:]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = table_lines(report["lanes"], _COLUMNS)
+    lines.append(
+        "prefill tok: prompt tokens computed; cached tok: served from the prefix cache; "
+        "hit: cached / prompt tok; dedup -tok: tokens of dropped duplicate chunks"
+    )
+    parts = ratio_parts(report["ratios"])
+    if parts:
+        lines.append("ragkv vs baselines  " + "; ".join(parts))
+    d = report["determinism"]
+    verdict = "ok" if d["ok"] else "MISMATCH" if d["strict"] else "bf16 batch-shape noise"
+    lines.append(determinism_line(d, verdict))
+    return "\n".join(lines)
+
+
+Column = tuple[str, str, str | None]  # title, format, the lane's key (None: the lane's name)
+
+
+def table_lines(lanes: dict[str, dict[str, Any]], columns: Sequence[Column]) -> list[str]:
+    """One row per lane under the columns' titles and a rule, aligned (names left, figures
+    right); a list value (one figure per replica) prints as ``a/b/c``."""
+    rows = [[title for title, _, _ in columns]]
+    for name, lane in lanes.items():
+        rows.append([name] + [_cell(fmt, lane[key]) for _, fmt, key in columns[1:]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [
         "  ".join(
             c.ljust(w) if i == 0 else c.rjust(w)
@@ -270,21 +290,24 @@ def format_table(report: dict[str, Any]) -> str:
         for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(
-        "prefill tok: prompt tokens computed; cached tok: served from the prefix cache; "
-        "hit: cached / prompt tok; dedup -tok: tokens of dropped duplicate chunks"
-    )
-    r = report["ratios"]
-    parts = [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in r.items() if isinstance(v, float)]
-    if parts:
-        lines.append("ragkv vs baselines  " + "; ".join(parts))
-    d = report["determinism"]
-    verdict = "ok" if d["ok"] else "MISMATCH" if d["strict"] else "bf16 batch-shape noise"
-    lines.append(
+    return lines
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "/".join(map(str, value)) if isinstance(value, list) else fmt.format(value)
+
+
+def ratio_parts(ratios: dict[str, Any]) -> list[str]:
+    """``name: 1.23x`` for each ratio that is a number (not the targets it is checked by)."""
+    return [f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in ratios.items() if isinstance(v, float)]
+
+
+def determinism_line(d: dict[str, Any], verdict: str) -> str:
+    """How many identical-prompt pairs the lanes had, how many answered differently."""
+    return (
         f"determinism: {d['identical_prompt_pairs']} identical-prompt pairs across lanes, "
         f"{d['mismatches']} mismatches ({verdict})"
     )
-    return "\n".join(lines)
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:

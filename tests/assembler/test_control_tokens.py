@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from support import tiny_tokenizer
+from support import CHATML, tiny_tokenizer
 
 from ragkv.assembler import Assembler
 from ragkv.assembler.template import chat_token_ids, render_chat
 from ragkv.assembler.tokenization import text_tokenizer
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 LLAMA3 = (
     "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
     "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"

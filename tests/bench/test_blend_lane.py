@@ -16,17 +16,9 @@ from ragkv.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
-def bench(tiny_model, small_config):
+def bench(tiny_bench, small_config):
     workload = synthetic_workload(small_config(requests=8, follow_up_rate=0.25, topics=2))
-    config = BenchConfig(
-        model=tiny_model,
-        device="cpu",
-        dtype="float32",
-        max_tokens=2,
-        concurrency=2,
-        lanes=["ragkv", BLEND_LANE],
-    )
-    return run_bench(workload, config)
+    return run_bench(workload, tiny_bench(lanes=["ragkv", BLEND_LANE]))
 
 
 def test_blend_lane_replays_ragkv_prompts_and_accounts_for_every_token(bench):

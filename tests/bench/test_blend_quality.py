@@ -4,24 +4,16 @@ the default model stays within loose quality bounds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / "blend_quality.py"
+from support import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("ragkv_blend_quality", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("blend_quality") as module:
+        yield module
 
 
 def test_quick_run_on_a_tiny_model_is_exact_when_everything_is_recomputed(

@@ -28,13 +28,10 @@ LANE_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def bench(tiny_model, small_config):
+def bench(tiny_bench, small_config):
     # No follow-ups: every lane sends the same segments, so token counts line up exactly.
     workload = synthetic_workload(small_config(requests=10, follow_up_rate=0.0, topics=2))
-    config = BenchConfig(
-        model=tiny_model, device="cpu", dtype="float32", max_tokens=2, concurrency=2
-    )
-    return run_bench(workload, config)
+    return run_bench(workload, tiny_bench())
 
 
 def test_every_lane_reports_the_documented_keys(bench):

@@ -7,17 +7,11 @@ import json
 import pytest
 
 from ragkv.bench.production import INSTRUCTIONS, POLICIES, ProductionConfig, production_workload
-from ragkv.bench.runner import BenchConfig, estimate_seconds, profile_workload, run_bench
+from ragkv.bench.runner import estimate_seconds, profile_workload, run_bench
 from ragkv.bench.workload import synthetic_workload, trace_workload
 from ragkv.cli import main
 
 LANES = ["apc", "apc+assembler", "ragkv"]
-
-
-def _config(tiny_model) -> BenchConfig:
-    return BenchConfig(
-        model=tiny_model, device="cpu", dtype="float32", max_tokens=2, concurrency=2, lanes=LANES
-    )
 
 
 def _trace(tmp_path, tiny_model):
@@ -40,7 +34,7 @@ def _trace(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("kind", ["synthetic", "production", "trace"])
 def test_assembler_lanes_never_compute_more_prefill_than_apc(
-    tiny_model, small_config, tmp_path, kind
+    tiny_model, tiny_bench, small_config, tmp_path, kind
 ):
     if kind == "synthetic":
         workload = synthetic_workload(small_config(requests=12))
@@ -50,7 +44,7 @@ def test_assembler_lanes_never_compute_more_prefill_than_apc(
         )
     else:
         workload = _trace(tmp_path, tiny_model)
-    report, _ = run_bench(workload, _config(tiny_model))
+    report, _ = run_bench(workload, tiny_bench(lanes=LANES))
     computed = {name: lane["prefill_tokens_computed"] for name, lane in report["lanes"].items()}
     assert computed["apc+assembler"] <= computed["apc"], computed
     assert computed["ragkv"] <= computed["apc"], computed

@@ -124,21 +124,13 @@ def test_a_directory_that_is_not_a_trace_says_so(tmp_path):
         ragpulse_workload(root, tiny_tokenizer(), scale=2.0)
 
 
-def test_model_free_replay_agrees_with_the_engine(tmp_path, tiny_model):
+def test_model_free_replay_agrees_with_the_engine(tmp_path, tiny_bench):
     """Same pipelines, same pool, one request at a time: the simulated engine reports the
     real engine's cached tokens request by request (pool large enough that generated tokens,
     which the stand-in does not reproduce, never decide an eviction)."""
     tokenizer = tiny_tokenizer()
     workload = ragpulse_workload(_small_trace(tmp_path / "t"), tokenizer)
-    config = BenchConfig(
-        model=tiny_model,
-        device="cpu",
-        dtype="float32",
-        kv_cache_tokens=16_384,
-        max_tokens=2,
-        concurrency=1,
-        lanes=("apc", "ragkv"),
-    )
+    config = tiny_bench(kv_cache_tokens=16_384, concurrency=1, lanes=("apc", "ragkv"))
     engine_report, engine_results = run_bench(workload, config)
     free_report, free_results = run_model_free(workload, config, tokenizer)
     for real, free in zip(engine_results, free_results, strict=True):

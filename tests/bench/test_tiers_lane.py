@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import json
 
-from ragkv.bench.runner import BenchConfig, run_bench
+from ragkv.bench.runner import run_bench
 from ragkv.bench.workload import synthetic_workload
 from ragkv.cli import main
 
 
 def test_tiers_lane_recovers_what_a_small_pool_evicts_and_restart_reads_the_store(
-    tiny_model, small_config, tmp_path
+    tiny_bench, small_config, tmp_path
 ):
     workload = synthetic_workload(small_config(requests=8, follow_up_rate=0.0, topics=2))
-    config = BenchConfig(
-        model=tiny_model,
-        device="cpu",
-        dtype="float32",
-        max_tokens=2,
-        concurrency=2,
+    config = tiny_bench(
         kv_cache_tokens=1536,  # one prompt fits; well below the workload's distinct blocks
         lanes=["ragkv", "ragkv+tiers"],
         kv_store_dir=str(tmp_path / "store"),

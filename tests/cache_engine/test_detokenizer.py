@@ -4,14 +4,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ragkv.cache_engine import default_model_path
 from ragkv.cache_engine.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     StopMatcher,
 )
 from ragkv.cache_engine.sampling_params import SamplingParams
-from ragkv.errors import ModelNotFoundError
 
 CORPUS = [
     "Retrieval augmented generation pastes retrieved chunks in front of the question. ",
@@ -71,18 +69,6 @@ def sentencepiece_bpe() -> PreTrainedTokenizerFast:
         decoders.Metaspace(replacement="▁", prepend_scheme="first"),
         [],
     )
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """The embedded default model's tokenizer (GPT-2 style byte-level BPE, vocab 49152)."""
-    try:
-        path = default_model_path(progress=False)
-    except ModelNotFoundError as exc:
-        pytest.skip(f"embedded default model not installed: {exc}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def _byte_ids(tokenizer, text: str) -> list[int]:
@@ -259,8 +245,8 @@ def test_each_step_decodes_a_small_window(byte_bpe):
     assert max(windows) <= PROMPT_CONTEXT_TOKENS + 4  # never the whole prompt or output
 
 
-def test_real_default_model_tokenizer_streams_exactly(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_real_default_model_tokenizer_streams_exactly(shipped_tokenizer):
+    tok = shipped_tokenizer  # GPT-2 style byte-level BPE, vocab 49152
     text = "Retrieval works: 检索增强 😀🎉 café — naïve. Ends here<|im_end|> never shown"
     ids = tok.encode(text, add_special_tokens=False)
     prompt = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)

@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 import torch
-from support import TIER_BLOCK_SHAPE, same_bits
+from support import TIER_BLOCK_SHAPE, race, same_bits
 from support import tier_block as block
 
 from ragkv.cache_engine.kv_tiers import (
@@ -349,12 +348,7 @@ def test_concurrent_puts_and_gets_only_ever_return_exact_payloads(tmp_path):
                 if got is not None and not same_bits(got, expected[i][2]):
                     errors.append(i)
 
-    threads = [threading.Thread(target=put, args=(k,)) for k in (0, 1)]
-    threads += [threading.Thread(target=get) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    race(put, get, timeout_s=60)
     assert errors == [] and store.stats().corrupt == 0
     assert store.stats().bytes_used <= store.capacity_bytes
     assert sum(p.stat().st_size for p in entry_files(store)) == store.stats().bytes_used

@@ -68,6 +68,13 @@ def run_and_close(path, store, seeds, **kwargs) -> list:
         return [eng.generate(ids(s, N), GREEDY, return_logits=True) for s in seeds]
 
 
+def assert_recomputed_exactly(path, store, ref) -> None:
+    """A new engine over ``store`` reuses nothing of prompt 0 and answers it exactly."""
+    (out,) = run_and_close(path, store, [0])
+    assert out.usage.cached_tokens == 0
+    assert_exact(out, ref)
+
+
 def test_a_prefix_from_the_pool_or_host_memory_is_exact(family_dir):
     refs = references(family_dir, range(2))
     with tiered(family_dir, host_cache_bytes=HOST_16_BLOCKS) as eng:
@@ -168,10 +175,7 @@ def test_damaging_every_file_of_the_store_still_serves_exactly(llama, tmp_path):
         if data:
             data[0] ^= 0xFF
             file.write_bytes(bytes(data))
-    with tiered(path, kv_store_dir=store) as eng:
-        out = eng.generate(ids(0, N), GREEDY, return_logits=True)
-    assert out.usage.cached_tokens == 0
-    assert_exact(out, refs[0])
+    assert_recomputed_exactly(path, store, refs[0])
 
 
 def test_another_salt_never_hits_and_unsalted_blocks_can_stay_off_disk(llama, tmp_path):
@@ -208,10 +212,7 @@ def test_a_changed_checkpoint_at_the_same_path_never_reads_old_entries(tmp_path)
         model.model.layers[0].self_attn.k_proj.weight[0, 0] += 0.5  # one weight
     model.save_pretrained(path)
     refs = references(path, [0])
-    with tiered(path, kv_store_dir=store) as eng:
-        out = eng.generate(ids(0, N), GREEDY, return_logits=True)
-    assert out.usage.cached_tokens == 0
-    assert_exact(out, refs[0])
+    assert_recomputed_exactly(path, store, refs[0])
 
 
 def test_a_full_store_keeps_within_its_bytes_and_only_loses_hits(llama, tmp_path):

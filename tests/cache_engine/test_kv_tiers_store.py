@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from support import TIER_BLOCK_SHAPE, same_bits
+from support import TIER_BLOCK_SHAPE, race, same_bits
 from support import tier_block as block
 
 from ragkv.cache_engine.kv_tiers import HostStore, KVTiers, TierStats
@@ -277,12 +277,7 @@ def test_concurrent_offers_and_loads_only_ever_return_exact_payloads():
                 if got is not None and not same_bits(got[0], expected[i][2]):
                     errors.append(f"block {i} from {got[1]}")
 
-    threads = [threading.Thread(target=offer, args=(k,)) for k in (0, 1)]
-    threads += [threading.Thread(target=load) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    race(offer, load, timeout_s=30)
     assert tiers.flush(10)
     assert errors == []
     stats = tiers.stats()

@@ -22,16 +22,22 @@ class PoisonedManager(KVCacheManager):
         return super().get_computed_blocks(request, record=record)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "longest-prefix"])
-def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_scheduled(policy):
-    kv = PoisonedManager(num_blocks=32, block_size=4)
-    scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy))
+def add_around_the_poisoned(scheduler: Scheduler, n: int, *, max_tokens: int) -> list[Request]:
+    """Requests "a", "bad" (the poisoned id) and "c" of ``n`` prompt tokens, added in order."""
     requests = [
-        Request(rid, list(range(i, i + 10)), SamplingParams(max_tokens=2))
+        Request(rid, list(range(i, i + n)), SamplingParams(max_tokens=max_tokens))
         for i, rid in enumerate(["a", "bad", "c"])
     ]
     for request in requests:
         scheduler.add(request)
+    return requests
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "longest-prefix"])
+def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_scheduled(policy):
+    kv = PoisonedManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(schedule_policy=policy))
+    requests = add_around_the_poisoned(scheduler, 10, max_tokens=2)
     out = scheduler.schedule()
     assert [(r.request_id, str(e)) for r, e in out.failed] == [("bad", "simulated hashing fault")]
     assert {c.request.request_id for c in out.slices} == {"a", "c"}
@@ -54,12 +60,7 @@ class PoisonedAllocation(KVCacheManager):
 def test_a_running_request_failing_in_its_own_allocation_is_reported_alone():
     kv = PoisonedAllocation(num_blocks=32, block_size=4)
     scheduler = Scheduler(kv)
-    requests = [
-        Request(rid, list(range(i, i + 7)), SamplingParams(max_tokens=4))
-        for i, rid in enumerate(["a", "bad", "c"])
-    ]
-    for request in requests:
-        scheduler.add(request)
+    requests = add_around_the_poisoned(scheduler, 7, max_tokens=4)
     first = scheduler.schedule()
     assert len(first.slices) == 3 and not first.failed
     for chunk in first.slices:  # the step ran: K/V written, one token sampled each

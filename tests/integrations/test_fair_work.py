@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -20,7 +21,8 @@ async def until(condition, timeout_s: float = 10.0) -> None:
     raise AssertionError("timed out waiting")
 
 
-def test_a_flood_of_one_tenant_does_not_queue_another_behind_it():
+def gated_job() -> tuple[Callable[[str], str], list[str], threading.Event]:
+    """A job that waits for the gate, then records its name in ``ran`` and returns it."""
     ran: list[str] = []
     gate = threading.Event()
 
@@ -28,6 +30,12 @@ def test_a_flood_of_one_tenant_does_not_queue_another_behind_it():
         gate.wait(timeout=30)
         ran.append(name)
         return name
+
+    return job, ran, gate
+
+
+def test_a_flood_of_one_tenant_does_not_queue_another_behind_it():
+    job, ran, gate = gated_job()
 
     async def main() -> list[str]:
         workers = FairWorkers(1, max_per_tenant=10, max_total=20)
@@ -92,12 +100,7 @@ def test_past_its_share_a_tenant_gets_429_and_others_do_not():
 
 
 def test_a_cancelled_request_never_runs_its_queued_job_and_errors_reach_their_caller():
-    ran: list[str] = []
-    gate = threading.Event()
-
-    def job(name: str) -> None:
-        gate.wait(timeout=30)
-        ran.append(name)
+    job, ran, gate = gated_job()
 
     def fails() -> None:
         raise APIError(400, "bad", param="messages")

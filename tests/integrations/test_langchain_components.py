@@ -12,9 +12,8 @@ from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
-from support import save_tiny_checkpoint, training_text  # noqa: E402
+from support import tiny_engine, training_text  # noqa: E402
 
-from ragkv.cache_engine import Engine  # noqa: E402
 from ragkv.dedup import Deduplicator  # noqa: E402
 from ragkv.errors import InvalidInputError, RequestAbortedError  # noqa: E402
 from ragkv.integrations.langchain import (  # noqa: E402
@@ -47,8 +46,7 @@ class TokenRecorder(BaseCallbackHandler):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("lc"), "llama", seed=3)
-    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=8192) as eng:
+    with tiny_engine(tmp_path_factory.mktemp("lc"), 3, kv_cache_tokens=8192) as eng:
         yield eng
 
 

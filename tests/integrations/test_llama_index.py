@@ -21,9 +21,8 @@ from llama_index.core.instrumentation.events.llm import (  # noqa: E402
     LLMCompletionInProgressEvent,
 )
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
-from support import save_tiny_checkpoint, training_text  # noqa: E402
+from support import tiny_engine, training_text  # noqa: E402
 
-from ragkv.cache_engine import Engine  # noqa: E402
 from ragkv.integrations.llama_index import (  # noqa: E402
     DedupPostprocessor,
     RagKVLLM,
@@ -56,8 +55,7 @@ def recorder():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("li"), "llama", seed=4)
-    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=8192) as eng:
+    with tiny_engine(tmp_path_factory.mktemp("li"), 4, kv_cache_tokens=8192) as eng:
         yield eng
 
 

@@ -42,36 +42,26 @@ def test_non_loopback_hosts_are_recognised():
     assert not server_cli._is_loopback("0.0.0.0")
 
 
-def test_engine_flags_default_to_the_one_engine_config():
-    from ragkv.cache_engine.config import DEFAULTS, DTYPES
+@pytest.mark.parametrize(
+    "name",
+    ["device", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+     "host_cache_bytes", "kv_store_dir", "kv_store_bytes", "kv_tier_write_policy",
+     "kv_store_salted"],
+)  # fmt: skip
+def test_engine_flags_default_to_the_one_engine_config(name):
+    from ragkv.cache_engine.config import DEFAULTS
 
-    args = parse()
-    assert (args.device, args.dtype, args.block_size) == (
-        DEFAULTS.device,
-        DEFAULTS.dtype,
-        DEFAULTS.block_size,
-    )
-    assert (args.max_num_seqs, args.max_num_batched_tokens) == (
-        DEFAULTS.max_num_seqs,
-        DEFAULTS.max_num_batched_tokens,
-    )
+    assert getattr(parse(), name) == getattr(DEFAULTS, name)
+
+
+def test_every_dtype_parses():
+    from ragkv.cache_engine.config import DTYPES
+
     for dtype in DTYPES:
         assert parse("--dtype", dtype).dtype == dtype
 
 
-def test_kv_tier_flags_default_to_the_engine_config_and_parse():
-    from ragkv.cache_engine.config import DEFAULTS
-
-    args = parse()
-    assert (args.host_cache_bytes, args.kv_store_dir, args.kv_store_bytes) == (
-        DEFAULTS.host_cache_bytes,
-        DEFAULTS.kv_store_dir,
-        DEFAULTS.kv_store_bytes,
-    )
-    assert (args.kv_tier_write_policy, args.kv_store_salted) == (
-        DEFAULTS.kv_tier_write_policy,
-        DEFAULTS.kv_store_salted,
-    )
+def test_kv_tier_flags_parse():
     args = parse("--host-cache-bytes", "1024", "--kv-store-dir", "/tmp/s", "--kv-store-bytes", "99")
     assert (args.host_cache_bytes, args.kv_store_dir, args.kv_store_bytes) == (1024, "/tmp/s", 99)
     args = parse("--kv-tier-write-policy", "write-through", "--no-kv-store-salted")

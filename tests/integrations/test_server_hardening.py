@@ -213,6 +213,26 @@ def test_api_key_and_api_keys_together_are_refused(tmp_path, monkeypatch, capsys
 # -- 3. per-tenant learned chunk order ------------------------------------------------------------
 
 
+def rag_body(chunks, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "q?"}],
+        "ragkv": {"chunks": chunks},
+        "max_tokens": 1,
+        **extra,
+    }
+
+
+def fresh_pair_and_others(engine, passages: list[str]) -> tuple[str, str, list[str]]:
+    """``passages[4]`` and ``passages[2]`` in the order a fresh assembler puts them, and three
+    of the other passages."""
+    import ragkv
+
+    pair = [passages[4], passages[2]]
+    fresh = ragkv.Pipeline(engine).prepare("q?", pair).plan
+    first, second = (pair[s.index] for s in fresh.spans("chunk"))
+    return first, second, [p for p in passages if p not in pair][:3]
+
+
 def chunk_order(engine, response: httpx.Response, chunks: list[str]) -> list[int]:
     assert response.status_code == 200, response.text
     prompt = engine.tokenizer.decode(response.json()["choices"][0]["prompt_token_ids"])
@@ -221,26 +241,15 @@ def chunk_order(engine, response: httpx.Response, chunks: list[str]) -> list[int
 
 
 def test_one_tenants_traffic_never_reorders_anothers_chunks(serve, serve_engine):
-    import ragkv
-
     passages = [
         f"Passage {i}: " + "the cache keeps blocks of keys and values. " * 3 for i in range(6)
     ]
-    pair = [passages[4], passages[2]]
-    fresh = ragkv.Pipeline(serve_engine).prepare("q?", pair).plan
-    first, second = (pair[s.index] for s in fresh.spans("chunk"))
-    hot = [p for p in passages if p not in pair][:3]
+    first, second, hot = fresh_pair_and_others(serve_engine, passages)
     url, _ = serve(api_keys=KEYS)
     alice, bob = (as_tenant(k) for k in KEYS)
 
     def ask(chunks, headers):
-        body = {
-            "messages": [{"role": "user", "content": "q?"}],
-            "ragkv": {"chunks": chunks},
-            "max_tokens": 1,
-            "return_token_ids": True,
-            **GREEDY,
-        }
+        body = rag_body(chunks, return_token_ids=True, **GREEDY)
         return http.post("/v1/chat/completions", json=body, headers=headers)
 
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -255,25 +264,13 @@ def test_one_tenants_traffic_never_reorders_anothers_chunks(serve, serve_engine)
 def test_learned_order_belongs_to_the_tenant_not_to_each_client_salt(serve, serve_engine):
     """A tenant's clients share its learned order whatever salts they pick, so a client
     cycling salts neither starts over nor pushes other tenants' state out."""
-    import ragkv
-
     passages = [f"Passage {i}: " + "blocks of keys and values stay cached. " * 3 for i in range(6)]
-    pair = [passages[4], passages[2]]
-    fresh = ragkv.Pipeline(serve_engine).prepare("q?", pair).plan
-    first, second = (pair[s.index] for s in fresh.spans("chunk"))
-    hot = [p for p in passages if p not in pair][:3]
+    first, second, hot = fresh_pair_and_others(serve_engine, passages)
     url, _ = serve(api_keys=KEYS)
     alice = as_tenant(next(iter(KEYS)))
 
     def ask(chunks, salt):
-        body = {
-            "messages": [{"role": "user", "content": "q?"}],
-            "ragkv": {"chunks": chunks},
-            "max_tokens": 1,
-            "return_token_ids": True,
-            "cache_salt": salt,
-            **GREEDY,
-        }
+        body = rag_body(chunks, return_token_ids=True, cache_salt=salt, **GREEDY)
         return http.post("/v1/chat/completions", json=body, headers=alice)
 
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -284,15 +281,6 @@ def test_learned_order_belongs_to_the_tenant_not_to_each_client_salt(serve, serv
 
 
 # -- 4. size limits: refused before any tokenization ---------------------------------------------
-
-
-def rag_body(chunks, **extra) -> dict:
-    return {
-        "messages": [{"role": "user", "content": "q?"}],
-        "ragkv": {"chunks": chunks},
-        "max_tokens": 1,
-        **extra,
-    }
 
 
 def test_oversized_rag_requests_are_refused_before_any_work(serve, monkeypatch):

@@ -5,25 +5,16 @@ no cross-tenant cache hit, and the KV pool is all free at the end."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from support import benchmark_script
 
 pytest.importorskip("fastapi")
-
-SOAK_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("ragkv_soak", SOAK_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("soak") as module:
+        yield module
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from support import paged_kv
 
 from ragkv.kernels import paged_attention, plan_attention, store_kv
 
@@ -27,25 +28,15 @@ def make_batch(specs, *, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=t
     runs of ``n`` consecutive blocks in reverse order (tables made of several runs).
     """
     gen = torch.Generator().manual_seed(seed)
-    need = [math.ceil(seq_len / block_size) for seq_len, _ in specs]
-    num_blocks = num_blocks or sum(need) + 3
+    seq_lens = [seq_len for seq_len, _ in specs]
+    num_blocks = num_blocks or sum(math.ceil(n / block_size) for n in seq_lens) + 3
     order = torch.randperm(num_blocks, generator=gen) if permute else torch.arange(num_blocks)
     if run is not None:
         order = torch.cat(torch.arange(num_blocks).split(run)[::-1])
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    table = torch.zeros(len(specs), max(need) + 2, dtype=torch.int32)
-    kv, used = [], 0
-    for i, ((seq_len, _), n) in enumerate(zip(specs, need, strict=True)):
-        table[i, :n] = order[used : used + n]
-        used += n
-        k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        pos = torch.arange(seq_len)
-        slots = table[i, pos // block_size].long() * block_size + pos % block_size
-        store_kv(k, v, k_cache, v_cache, slots, backend="torch")
-        kv.append((k, v))
+    k_cache, v_cache, table, kv = paged_kv(
+        seq_lens, order, gen, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+        dtype=dtype,
+    )  # fmt: skip
     cu = torch.tensor([0] + [q_len for _, q_len in specs], dtype=torch.int32).cumsum(0)
     q = torch.randn(int(cu[-1]), kv_heads * group, head_dim, generator=gen).to(dtype)
     lens = torch.tensor([seq_len for seq_len, _ in specs], dtype=torch.int32)

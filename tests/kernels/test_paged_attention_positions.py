@@ -11,9 +11,10 @@ import math
 
 import pytest
 import torch
+from support import paged_kv
 
 from ragkv.errors import InvalidInputError
-from ragkv.kernels import paged_attention, plan_attention, store_kv
+from ragkv.kernels import paged_attention, plan_attention
 
 BACKENDS = ["torch", "triton"]
 
@@ -23,26 +24,16 @@ def make_batch(specs, *, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=t
     """specs: (seq_len, positions of its query rows). Blocks are handed out permuted, or as
     runs of ``run`` consecutive blocks in reverse order (prefixes of several runs)."""
     gen = torch.Generator().manual_seed(seed)
-    need = [math.ceil(seq_len / block_size) for seq_len, _ in specs]
-    num_blocks = sum(need) + 3
+    seq_lens = [seq_len for seq_len, _ in specs]
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
     if run is None:
         order = torch.randperm(num_blocks, generator=gen)
     else:
         order = torch.cat(torch.arange(num_blocks).split(run)[::-1])
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    table = torch.zeros(len(specs), max(need) + 2, dtype=torch.int32)
-    kv, used = [], 0
-    for i, ((seq_len, _), n) in enumerate(zip(specs, need, strict=True)):
-        table[i, :n] = order[used : used + n]
-        used += n
-        k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        pos = torch.arange(seq_len)
-        slots = table[i, pos // block_size].long() * block_size + pos % block_size
-        store_kv(k, v, k_cache, v_cache, slots, backend="torch")
-        kv.append((k, v))
+    k_cache, v_cache, table, kv = paged_kv(
+        seq_lens, order, gen, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+        dtype=dtype,
+    )  # fmt: skip
     positions = [p for _, rows in specs for p in rows]
     cu = torch.tensor([0] + [len(rows) for _, rows in specs]).cumsum(0).to(torch.int32)
     q = torch.randn(len(positions), kv_heads * group, head_dim, generator=gen).to(dtype)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support import save_tiny_checkpoint, training_text
+from support import tiny_engine, training_text
 
 import ragkv
-from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.cache_engine import SamplingParams
 from ragkv.dedup import Chunk
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -17,8 +17,7 @@ SYSTEM = "Answer the question from the context."
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=5)
-    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=8192) as eng:
+    with tiny_engine(tmp_path_factory.mktemp("llama"), 5, kv_cache_tokens=8192) as eng:
         yield eng
 
 
@@ -236,8 +235,8 @@ def test_a_bad_order_names_its_parameter(engine):
 def test_a_retrieval_larger_than_the_context_fits_by_dropping_the_least_relevant(
     tmp_path_factory, passages
 ):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("short"), "llama", seed=5)
-    with Engine.from_pretrained(path, device="cpu", kv_cache_tokens=4096, max_model_len=400) as e:
+    short = tmp_path_factory.mktemp("short")
+    with tiny_engine(short, 5, kv_cache_tokens=4096, max_model_len=400) as e:
         pipe = ragkv.Pipeline(e)
         chunks = [Chunk(p, score=1.0 - i / 10) for i, p in enumerate(passages)]
         answer = pipe.answer("Q?", chunks, max_tokens=16, ignore_eos=True)
