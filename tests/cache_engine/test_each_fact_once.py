@@ -152,6 +152,50 @@ def test_a_pipeline_request_hashes_each_block_once_and_digests_its_salt_once(
     assert first.plan.prompt_hashes is not None
 
 
+def test_a_server_chat_request_hashes_each_block_once_and_digests_its_salt_once(
+    llama_dir, hashed_blocks, salt_digests, probed
+):
+    # The server assembles through the pipeline in a worker thread; before, the prompt the
+    # probe had hashed was hashed again when queued, and the salt digested again.
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
+
+    text = training_text()
+    body = {
+        "messages": [
+            {"role": "system", "content": "Answer from the context. " * 4},
+            {"role": "user", "content": "What is this about?"},
+        ],
+        "max_tokens": 5,
+        "ragkv": {"chunks": [text[i][:300] for i in range(3)]},
+    }
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=8192) as engine:
+        body["model"] = engine.model_name
+        server = ServerThread(create_app(engine, api_key="k" * 20))
+        url = server.start()
+        try:
+            headers = {"Authorization": "Bearer " + "k" * 20}
+            with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+                client.post("/v1/chat/completions", json=body).raise_for_status()  # warm
+                probed.clear()
+                hashed_blocks.clear()
+                salt_digests[0] = 0
+                reply = client.post("/v1/chat/completions", json=body).json()
+        finally:
+            server.stop()
+    prompt_tokens = reply["usage"]["prompt_tokens"]
+    generated = (prompt_tokens + 5) // BLOCK - prompt_tokens // BLOCK
+    assert probed and max(map(len, probed)) == prompt_tokens
+    assert hashed_blocks.get("ragkv-engine", 0) <= generated
+    assert sum(hashed_blocks.values()) - hashed_blocks.get("ragkv-engine", 0) == _distinct_blocks(
+        probed
+    )
+    assert salt_digests[0] == 1
+
+
 @pytest.fixture
 def validations(monkeypatch):
     """Counts SamplingParams validations."""

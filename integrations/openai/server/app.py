@@ -424,6 +424,8 @@ def _chat_prompt(
         "expected_cached_tokens": prepared.plan.expected_cached_tokens,
     }
     reuse: dict[str, Any] = {}
+    if prepared.plan.prompt_hashes is not None:  # the probe hashed it: not hashed again
+        reuse["prompt_hashes"] = prepared.plan.prompt_hashes
     if served.reuse is not None:
         reuse["chunk_spans"] = [(s.start, s.end) for s in prepared.plan.spans("chunk")]
         reuse["reuse"] = parsed.rag.reuse
