@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any, overload
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.input_processor import ChunkSpans, Prompt, pair_prompts, per_prompt_spans
@@ -29,6 +29,30 @@ class EngineCalls:
     _start: Callable[..., list[str]]
     abort: Callable[[str], None]
 
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        return_logits: bool = False,
+        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
+        **sampling: Any,
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        return_logits: bool = False,
+        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
+        **sampling: Any,
+    ) -> list[Output]: ...
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -81,7 +105,7 @@ class EngineCalls:
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
         **sampling: Any,
-    ) -> Iterator[StreamDelta]:
+    ) -> Generator[StreamDelta, None, None]:
         """Yield text deltas as tokens are generated; the last delta carries the ``output``.
 
         ``params``, keyword settings, ``chunk_spans`` and ``reuse`` as in :meth:`generate`."""
@@ -132,7 +156,7 @@ class EngineCalls:
         chunk_spans: ChunkSpans | None = None,
         reuse: BlendConfig | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()

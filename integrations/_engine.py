@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
 from ragkv.assembler.template import chat_token_ids
@@ -109,7 +109,7 @@ def stream_until(
     *,
     cache_salt: str | None,
     timeout: float | None,
-) -> Iterator[StreamDelta]:
+) -> Generator[StreamDelta, None, None]:
     """``engine.stream`` that aborts the request once ``timeout`` seconds have passed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     stream = engine.stream(prompt, params, cache_salt=cache_salt)
@@ -129,7 +129,7 @@ async def astream_until(
     *,
     cache_salt: str | None,
     timeout: float | None,
-) -> AsyncIterator[StreamDelta]:
+) -> AsyncGenerator[StreamDelta, None]:
     """Asyncio form of :func:`stream_until`."""
     deadline = None if timeout is None else time.monotonic() + timeout
     stream = engine.astream(prompt, params, cache_salt=cache_salt)
