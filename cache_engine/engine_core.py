@@ -111,6 +111,7 @@ class EngineCore:
         return snapshot
 
     def _add_tier_stats(self, snapshot: EngineStats) -> None:
+        assert self.offload is not None  # called only with tiers configured
         counters, stores = self.offload.stats()
         snapshot.tier_hit_tokens = counters.hit_tokens
         snapshot.tier_loaded_blocks = counters.loaded_blocks

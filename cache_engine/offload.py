@@ -137,7 +137,9 @@ def written_blocks(batch: SchedulerOutput, pool: BlockPool, block_size: int) -> 
             block_hash = pool.block_hash[block_id]
             if block_hash is None or pool.cached.get(block_hash) != block_id:
                 continue  # unregistered: a private copy, or never to be shared
-            out.append(WrittenBlock(block_id, block_hash, pool.hash_input[block_id], salted))
+            hash_input = pool.hash_input[block_id]
+            assert hash_input is not None  # registered with its hash (BlockPool.cache)
+            out.append(WrittenBlock(block_id, block_hash, hash_input, salted))
     return out
 
 

@@ -32,6 +32,7 @@ def plan_request(
     request: Request, num_computed: int, index: ChunkIndex, kv: KVCacheManager
 ) -> BlendPlan | None:
     """The request's blended prefill after its exact prefix, or None (nothing to reuse)."""
+    assert request.reuse is not None  # called for requests that opted in
     generations = kv.pool.generation
 
     def lookup(token_ids):
