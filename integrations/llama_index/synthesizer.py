@@ -21,6 +21,7 @@ from ragkv.dedup import Chunk, Deduplicator
 from ragkv.dedup.merge import DUPLICATES
 from ragkv.integrations._documents import make_chunk
 from ragkv.integrations._pipeline import pipeline_for
+from ragkv.integrations.llama_index.llm import RagKVLLM
 from ragkv.pipeline import Answer, Pipeline
 
 
@@ -59,7 +60,7 @@ class RagKVSynthesizer(BaseSynthesizer):
 
     def __init__(
         self,
-        llm: Any,
+        llm: RagKVLLM,
         *,
         system: SystemLike | None = None,
         deduplicator: Deduplicator | None = None,
@@ -72,6 +73,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         pipeline: Pipeline | None = None,
     ) -> None:
         super().__init__(llm=llm, streaming=streaming)
+        self._rag_llm = llm  # the base class keeps it typed as any LLM
         self.system = system
         self.metadata_mode = metadata_mode
         self.pipeline = pipeline_for(
@@ -139,7 +141,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         share one node order. Responses come in the queries' order (never streaming)."""
         items, nodes = self._batch_items(queries)
         answers = self.pipeline.answer_batch(
-            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+            items, params=self._rag_llm.sampling_params(), return_exceptions=return_exceptions
         )
         return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
 
@@ -152,7 +154,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         """Asyncio form of :meth:`synthesize_batch`."""
         items, nodes = self._batch_items(queries)
         answers = await self.pipeline.aanswer_batch(
-            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+            items, params=self._rag_llm.sampling_params(), return_exceptions=return_exceptions
         )
         return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
 
@@ -164,7 +166,7 @@ class RagKVSynthesizer(BaseSynthesizer):
             question = query.query_str if isinstance(query, QueryBundle) else query
             chunks = [node_to_chunk(n, self.metadata_mode) for n in found]
             items.append(BatchItem(question, chunks, system=self.system,
-                                   cache_salt=self._llm.cache_salt))  # fmt: skip
+                                   cache_salt=self._rag_llm.cache_salt))  # fmt: skip
             nodes.append(found)
         return items, nodes
 
@@ -180,8 +182,8 @@ class RagKVSynthesizer(BaseSynthesizer):
     def _call_kwargs(self) -> dict[str, Any]:
         return {
             "system": self.system,
-            "params": self._llm.sampling_params(),
-            "cache_salt": self._llm.cache_salt,
+            "params": self._rag_llm.sampling_params(),
+            "cache_salt": self._rag_llm.cache_salt,
         }
 
 
