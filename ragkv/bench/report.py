@@ -91,7 +91,7 @@ def determinism(
                 (result.spec.name, r.index, r.token_ids)
             )
     pairs = mismatches = 0
-    examples = []
+    examples: list[dict[str, list[Any]]] = []
     for entries in seen.values():
         for i, (lane_a, index_a, out_a) in enumerate(entries):
             for lane_b, index_b, out_b in entries[i + 1 :]:
