@@ -25,8 +25,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest
 
+# ruff, then mypy over the package as it installs (tools/typecheck.py, [tool.mypy]).
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/python tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

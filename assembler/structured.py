@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ragkv.assembler.boundaries import last_boundary, next_boundary
 from ragkv.errors import InvalidInputError
+
+# str.format's ``!r``, ``!s`` and ``!a`` conversions.
+_CONVERSIONS: dict[str, Callable[[object], str]] = {"r": repr, "s": str, "a": ascii}
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,7 +122,7 @@ class SystemPrompt:
                 )
             value = self.values[name]
             if conversion:
-                value = {"r": repr, "s": str, "a": ascii}[conversion](value)
+                value = _CONVERSIONS[conversion](value)
             parts.append(Volatile(format(value, spec or "")))
         return parts
 

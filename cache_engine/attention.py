@@ -12,14 +12,22 @@ implementation is not in transformers' mask registry, so the mask is ``None``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 
 from ragkv.errors import RagkvError
 from ragkv.kernels import AttentionPlan, paged_attention, store_kv
+from ragkv.kernels.dispatch import Backend
 
 ATTN_IMPLEMENTATION = "ragkv_paged"
+
+
+class AttentionLayer(Protocol):
+    """What the attention function reads from the calling transformers attention module."""
+
+    layer_idx: int
 
 
 @dataclass(slots=True)
@@ -33,7 +41,7 @@ class StepContext:
     seq_lens: torch.Tensor | list[int]  # [num_seqs]; host list on CPU
     max_seqlen_q: int
     max_seqlen_k: int
-    backend: str = "auto"
+    backend: Backend = "auto"
     plan: AttentionPlan | None = None  # torch path: built once per step, read by every layer
     # Explicit query position per token row (chunk reuse); None: each sequence's rows are its
     # last q_len positions. Host list on CPU (the plan's own list), int32 tensor on a device.
@@ -41,7 +49,7 @@ class StepContext:
 
 
 def paged_attention_forward(
-    module: torch.nn.Module,
+    module: AttentionLayer,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

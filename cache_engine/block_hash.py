@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -136,7 +137,7 @@ def _split(
         tail = np.broadcast_to(np.frombuffer(suffix, dtype=np.uint8), (n, len(suffix)))
         rows = np.concatenate([rows, tail], axis=1)
     record = np.dtype((np.void, rows.shape[1]))
-    return np.ascontiguousarray(rows).view(record).ravel().tolist()
+    return cast("list[bytes]", np.ascontiguousarray(rows).view(record).ravel().tolist())
 
 
 def _chained_digests(

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from operator import eq
+from typing import cast
 
 
 class BlockPool:
@@ -56,9 +57,10 @@ class BlockPool:
         """
         if not self.enable_caching:
             return []
-        hits = list(map(self.cached.get, hashes))
+        found = list(map(self.cached.get, hashes))
         with suppress(ValueError):  # no miss: every block hit
-            del hits[hits.index(None) :]  # one scan (`None in hits` first would be a second)
+            del found[found.index(None) :]  # one scan (`None in found` first would be a second)
+        hits = cast("list[int]", found)  # the cut above removed every None
         hash_input = self.hash_input
         stored = [hash_input[block_id] for block_id in hits]
         if stored != inputs[: len(hits)]:
@@ -73,8 +75,9 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
-            if self.block_hash[block_id] is not None:
-                self._evict(block_id)
+            block_hash = self.block_hash[block_id]
+            if block_hash is not None:
+                self._evict(block_id, block_hash)
             self.generation[block_id] += 1
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -147,8 +150,8 @@ class BlockPool:
         self.generation = [g + 1 for g in self.generation]
         return True
 
-    def _evict(self, block_id: int) -> None:
-        del self.cached[self.block_hash[block_id]]
+    def _evict(self, block_id: int, block_hash: bytes) -> None:
+        del self.cached[block_hash]
         self.block_hash[block_id] = None
         self.hash_input[block_id] = None
         self.num_evictions += 1

@@ -23,6 +23,8 @@ from ragkv.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from ragkv.kernels.dispatch import Backend
+
 SchedulePolicy = Literal["fcfs", "longest-prefix"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "longest-prefix")
 HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "blake3")
@@ -142,7 +144,7 @@ class EngineConfig:
         "fcfs, or longest-prefix: admit the waiting request with the longest cached prefix first",
         choices=SCHEDULE_POLICIES,
     )
-    backend: str = _setting(
+    backend: Backend = _setting(
         "auto", "kernels: auto (Triton on CUDA), triton or torch", choices=BACKENDS
     )
     host_cache_bytes: int = _setting(

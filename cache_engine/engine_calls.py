@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any, overload
 
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.input_processor import (
@@ -36,6 +36,30 @@ class EngineCalls:
     _start: Callable[..., list[str]]
     abort: Callable[[str], None]
 
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        return_logits: bool = False,
+        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
+        **sampling: Any,
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        return_logits: bool = False,
+        chunk_spans: ChunkSpans | Sequence[ChunkSpans | None] | None = None,
+        reuse: BlendConfig | None = None,
+        **sampling: Any,
+    ) -> list[Output]: ...
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -96,7 +120,7 @@ class EngineCalls:
         reuse: BlendConfig | None = None,
         prompt_hashes: PromptHashes | None = None,
         **sampling: Any,
-    ) -> Iterator[StreamDelta]:
+    ) -> Generator[StreamDelta, None, None]:
         """Yield text deltas as tokens are generated; the last delta carries the ``output``.
 
         ``params``, keyword settings, ``chunk_spans``, ``reuse`` and ``prompt_hashes`` as in
@@ -150,7 +174,7 @@ class EngineCalls:
         reuse: BlendConfig | None = None,
         prompt_hashes: PromptHashes | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Asyncio form of :meth:`stream`; many coroutines can stream concurrently."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()

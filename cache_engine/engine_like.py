@@ -9,8 +9,8 @@ Importing this module loads no torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any, Protocol, overload, runtime_checkable
 
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -38,15 +38,28 @@ class EngineLike(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    # One prompt gives one Output, a list of prompts a list (a str is one prompt).
+    @overload
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt,
         params: Any = None,
         *,
         cache_salt: str | None = None,
         **sampling: Any,
-    ) -> Output | list[Output]: ...
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: Any = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
+    ) -> list[Output]: ...
 
+    # The streams are generators: closing one early (``close()`` / ``aclose()``) aborts the
+    # request, which the server and the framework adapters rely on.
     def stream(
         self,
         prompt: Prompt,
@@ -54,7 +67,7 @@ class EngineLike(Protocol):
         *,
         cache_salt: str | None = None,
         **sampling: Any,
-    ) -> Iterator[StreamDelta]: ...
+    ) -> Generator[StreamDelta, None, None]: ...
 
     async def agenerate(
         self,
@@ -72,7 +85,7 @@ class EngineLike(Protocol):
         *,
         cache_salt: str | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[StreamDelta]: ...
+    ) -> AsyncGenerator[StreamDelta, None]: ...
 
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens of ``token_ids`` cached now; 0 when the engine cannot know (a remote
@@ -99,6 +112,38 @@ class ReportsHealth(Protocol):
 
 
 @runtime_checkable
+class Closes(Protocol):
+    """Holds what ``close()`` releases (the in-process engine's thread and KV tiers,
+    ``RemoteEngine``'s connections)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ClosesAsync(Protocol):
+    """Releases its resources from asyncio too (``RemoteEngine``'s async client)."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class KnowsContextLength(Protocol):
+    """Says its context length in tokens, prompt and answer together (``max_model_len``;
+    None: unknown). A remote server does not say."""
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+
+@runtime_checkable
+class KnowsPoolSize(Protocol):
+    """Says how many tokens its KV pool holds (``kv_cache_tokens``)."""
+
+    @property
+    def kv_cache_tokens(self) -> int: ...
+
+
+@runtime_checkable
 class MayReuseChunks(Protocol):
     """Says whether ``generate(..., chunk_spans=, reuse=)`` can reuse a chunk's KV at another
     position (``supports_chunk_reuse``); an engine without the flag cannot."""
@@ -117,7 +162,11 @@ class ProbesPrefix(Protocol):
 
 __all__ = [
     "ChecksHealth",
+    "Closes",
+    "ClosesAsync",
     "EngineLike",
+    "KnowsContextLength",
+    "KnowsPoolSize",
     "MayReuseChunks",
     "ProbesPrefix",
     "Prompt",

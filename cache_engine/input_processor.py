@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
@@ -26,6 +26,9 @@ from ragkv.cache_engine.sampler import make_generator
 from ragkv.cache_engine.sampling_params import SamplingParams, check_vocabulary, resolve_params
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 Prompt = str | Sequence[int]
 ChunkSpans = Sequence[tuple[int, int]]
@@ -176,7 +179,7 @@ class InputProcessor:
                 f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}",
                 param="prompt",
             )
-        ids = list(prompt)
+        ids: list[Any] = list(prompt)  # a caller's values: each is checked to be an id below
         if not ids:
             raise InvalidInputError("prompt is empty: pass at least one token id", param="prompt")
         vocab = self.vocab_size
@@ -225,8 +228,7 @@ def pair_prompts(
     params: SamplingParams | Sequence[SamplingParams] | None,
 ) -> tuple[bool, list[Prompt], list[SamplingParams]]:
     """``generate``'s arguments as (one prompt given?, prompts, one SamplingParams each)."""
-    single = _is_single_prompt(prompts)
-    batch = [prompts] if single else list(prompts)
+    batch: list[Prompt] = [prompts] if (single := _is_single_prompt(prompts)) else list(prompts)
     if not batch:
         raise InvalidInputError("generate() needs at least one prompt", param="prompt")
     if params is None or isinstance(params, SamplingParams | Mapping | str):
@@ -279,7 +281,7 @@ def per_prompt_hashes(
     return list(prompt_hashes)
 
 
-def _is_single_prompt(prompts: Any) -> bool:
+def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
     if isinstance(prompts, str):
         return True
     if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):

@@ -37,12 +37,16 @@ from ragkv.errors import ConfigError
 class CacheRequest(Protocol):
     """What the manager reads from a request."""
 
-    request_id: Hashable
+    @property
+    def request_id(self) -> Hashable: ...  # read-only here, so that a str id conforms
+
     token_ids: list[int]  # prompt + generated so far; grows
     num_prompt_tokens: int
     salt_digest: bytes | None  # block_hash.digest_salt(cache_salt), computed by the caller
-    # Optional: its block hashes (new_hasher), kept on the request across preemption; None
-    # or absent, the manager makes them (and keeps them on the request when it can).
+    # Its block hashes (new_hasher), kept on the request across preemption; None or absent
+    # (a request type without the attribute also works), the manager makes them (and keeps
+    # them on the request when it can).
+    block_hasher: BlockHasher | None
 
 
 @dataclass(slots=True)
@@ -219,6 +223,7 @@ class KVCacheManager:
             state.block_ids.extend(computed)
             state.num_cached_blocks = len(computed)
         new_block_ids = self.pool.allocate(num_new_blocks)
+        assert new_block_ids is not None  # the free count was checked above
         state.block_ids.extend(new_block_ids)
         state.num_computed_tokens = num_total
         self._cache_full_blocks(request, state, min(num_total, len(request.token_ids)))

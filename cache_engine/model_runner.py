@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,10 @@ from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import ConfigError, InvalidInputError
 from ragkv.kernels import plan_attention
-from ragkv.kernels.dispatch import use_triton
+from ragkv.kernels.dispatch import Backend, use_triton
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine.rope import RopeRotator
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
-        backend: str = "auto",
+        backend: Backend = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -92,9 +95,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.backend = backend
+        # The ignore: transformers wraps PreTrainedModel.to with functools.wraps, which
+        # typeshed types as the unbound torch.nn.Module.to (self expected first).
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).to(device)
+        ).to(device)  # type: ignore[arg-type]
         self.model.eval()
         config = self.model.config
         self.num_layers = config.num_hidden_layers
@@ -104,7 +109,9 @@ class ModelRunner:
         )
         self.vocab_size = config.vocab_size
         self.sampler = Sampler()
-        self._rotator = None  # RoPE re-rotation for chunk reuse, built on first use
+        self._rotator: RopeRotator | None = (
+            None  # RoPE re-rotation for chunk reuse, built on first use
+        )
         if num_blocks is None:
             num_blocks = max(1, (kv_cache_bytes or 0) // self.bytes_per_block())
         self.num_blocks = num_blocks
@@ -263,6 +270,7 @@ class ModelRunner:
         sampled row (the one at position ``end - 1``) within the chunk, or its last row's
         when it does not sample."""
         positions, token_ids, end = chunk.positions, chunk.request.token_ids, chunk.end
+        assert positions is not None  # the caller takes this path only for explicit positions
         if (
             len(positions) != chunk.num_tokens
             or len(set(positions)) != len(positions)

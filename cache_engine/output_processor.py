@@ -147,6 +147,7 @@ class OutputProcessor:
             return True
         if last:
             del self.states[request.request_id]
+        assert state.sink is not None  # EngineCore.submit sets it before queueing the request
         try:
             state.sink(event)
         except Exception:

@@ -15,6 +15,8 @@ engine never runs past that context).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ragkv.errors import InvalidInputError, UnsupportedModelError
@@ -47,7 +49,8 @@ class RopeRotator:
         frequencies vary with the sequence (``longrope``, ...), for partial rotary
         embeddings, and for a model without a rotary embedding.
         """
-        rotary = next(
+        # A transformers rotary embedding, found by its attributes (dynamic, hence Any).
+        rotary: Any = next(
             (m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "rope_type")),
             None,
         )
@@ -65,7 +68,7 @@ class RopeRotator:
         inv_freq = getattr(rotary, "original_inv_freq", None)
         if inv_freq is None:
             inv_freq = rotary.inv_freq
-        config = model.config
+        config: Any = model.config  # a transformers PretrainedConfig
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )

@@ -177,14 +177,16 @@ def _logprobs(
     if not wanted:
         return out
     logprobs = logits[wanted].log_softmax(dim=-1)
-    n_max = min(max(params[i].logprobs for i in wanted), logits.shape[-1])
-    top_vals, top_ids = logprobs.topk(n_max, dim=-1) if n_max else (None, None)
+    n_max = min(max(params[i].logprobs or 0 for i in wanted), logits.shape[-1])
+    top_val_list: list[list[float]] = []
+    top_id_list: list[list[int]] = []
+    if n_max:
+        top_vals, top_ids = logprobs.topk(n_max, dim=-1)
+        top_val_list, top_id_list = top_vals.tolist(), top_ids.tolist()
     chosen = logprobs.gather(
         1, torch.tensor([[token_ids[i]] for i in wanted], device=logits.device)
     )
     chosen_list = chosen.squeeze(1).tolist()
-    top_val_list = top_vals.tolist() if n_max else []
-    top_id_list = top_ids.tolist() if n_max else []
     for row, i in enumerate(wanted):
         n = params[i].logprobs
         top = list(zip(top_id_list[row][:n], top_val_list[row][:n], strict=True)) if n else []

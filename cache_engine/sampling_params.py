@@ -6,7 +6,7 @@ import copy as _copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from ragkv.errors import InvalidInputError
 
@@ -321,8 +321,13 @@ def json_ints(value: Any) -> list[int] | None:
     """``value`` as a list of ints (JSON Schema integers), else None."""
     if not isinstance(value, list):
         return None
-    ints = [json_integral(v) for v in value]
-    return None if any(i is None for i in ints) else ints
+    ints = []
+    for v in value:
+        i = json_integral(v)
+        if i is None:
+            return None
+        ints.append(i)
+    return ints
 
 
 def _is_int(value: Any) -> bool:
@@ -360,7 +365,7 @@ def _openai_ints(body: Mapping[str, Any], name: str) -> list[int] | None:
     return ints
 
 
-def _fail(param: str, message: str) -> None:
+def _fail(param: str, message: str) -> NoReturn:
     raise InvalidInputError(message, param=param)
 
 

@@ -124,7 +124,7 @@ class TierLoader:
             staged = self._partial.pop(request_id, None)
             kept = 0 if staged is None else len(staged)
             self._staged_blocks -= reserved - kept
-            if kept:
+            if staged is not None and kept:
                 self._ready[request_id] = staged
             self.counters.load_timeouts += 1
         logger.warning("KV tier loads for %s timed out; computing instead", request_id)

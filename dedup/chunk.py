@@ -69,7 +69,7 @@ class Chunk:
     def data(self) -> bytes:
         """The chunk's bytes: UTF-8 for text, the content itself for bytes."""
         content = self.content
-        if type(content) is bytes:
+        if isinstance(content, bytes):
             return content
         if self._src is not content:
             self._data = encode_text(content)

@@ -26,7 +26,8 @@ class _Collapsed:
 
     survivor_of: list[int | None]  # input position -> survivor index (None: empty, dropped)
     kept: list[int]  # survivor index -> input position of its first occurrence
-    keys: list[Hashable]  # survivor index -> its dedup key (digest, or (digest, extra))
+    # survivor index -> its dedup key: the digest (bytes), or (digest, extra) with a key function
+    keys: list[Any]
     rich: bool  # Chunk objects exist: metadata must be merged, not counted
     counts: list[int] | None = None  # survivor index -> inputs folded into it, if counted
 
@@ -88,11 +89,12 @@ class Deduplicator:
         found = self._collapse(items, stats)
         survivor_of, kept, keys = found.survivor_of, found.kept, found.keys
         extras = [None] * len(keys) if self._extra is None else [k[1] for k in keys]
+        digests: list[bytes] | None = keys
         if self._canonical is not None:
-            keys = None  # canonical digests are not the chunks' content hashes
+            digests = None  # canonical digests are not the chunks' content hashes
         elif self._extra is not None:
-            keys = [k[0] for k in keys]
-        survivors = _survivors(items, found, keys, self.hash)
+            digests = [k[0] for k in keys]
+        survivors = _survivors(items, found, digests, self.hash)
         if (self.drop_contained or self.merge_overlaps) and len(survivors) > 1:
             folder = SpanFolder(survivors, kept, extras, stats)
             if self.drop_contained:
@@ -176,9 +178,8 @@ class Deduplicator:
                 continue
             size = len(data)
             bytes_in += size
-            k = digest(data if canonical is None else canonical(data))
-            if extra is not None:
-                k = _extra_key(k, extra, obj, items, pos)
+            h = digest(data if canonical is None else canonical(data))
+            k = h if extra is None else _extra_key(h, extra, obj, items, pos)
             s = index.get(k)
             if s is None:
                 s = index[k] = len(kept)

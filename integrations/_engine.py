@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from typing import Annotated, Any
 
 from pydantic import AfterValidator
@@ -131,7 +131,7 @@ def stream_until(
     *,
     cache_salt: str | None,
     timeout: float | None,
-) -> Iterator[StreamDelta]:
+) -> Generator[StreamDelta, None, None]:
     """``engine.stream`` that aborts the request once ``timeout`` seconds have passed."""
     deadline = _deadline(timeout)
     stream = engine.stream(prompt, params, cache_salt=cache_salt)
@@ -150,7 +150,7 @@ async def astream_until(
     *,
     cache_salt: str | None,
     timeout: float | None,
-) -> AsyncIterator[StreamDelta]:
+) -> AsyncGenerator[StreamDelta, None]:
     """Asyncio form of :func:`stream_until`."""
     deadline = _deadline(timeout)
     stream = engine.astream(prompt, params, cache_salt=cache_salt)

@@ -66,7 +66,7 @@ def plan_attention(
     a position mask over its keys ``0 .. max(position)`` (see :func:`_plan_positioned`).
     """
     cu, lens = to_list(cu_seqlens_q), to_list(seq_lens)
-    positions = None
+    positions: list[int] | None = None
     positioned: set[int] = set()
     if q_positions is not None:
         positions = q_positions if isinstance(q_positions, list) else to_list(q_positions)
@@ -84,12 +84,16 @@ def plan_attention(
         decode = _plan_decode(block_table, cu, lens, n_blocks, gathered_decode, block_size, dtype)
     batched = set(gathered_decode) if decode is not None else set()
     masks: dict[tuple[int, int], torch.Tensor] = {}
-    seqs = []
+    seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]] = []
+    prefix: list[Segment]
+    tail: Segment
+    mask: torch.Tensor | None
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         if i in batched or start == end:
             continue
         if i in positioned:
+            assert positions is not None  # only q_positions makes a sequence positioned
             rows = positions[start:end]
             seqs.append((start, end, *_plan_positioned(block_table[i], rows, block_size, dtype)))
             continue
@@ -169,7 +173,7 @@ def _split(
     """
     ids = blocks.tolist()
     starts = [j for j in range(len(ids)) if j == 0 or ids[j] != ids[j - 1] + 1]
-    prefix = []
+    prefix: list[Segment] = []
     for j, next_j in itertools.pairwise([*starts, len(ids)]):
         if next_j * block_size > context or len(starts) > _MAX_RUNS:
             tail = (

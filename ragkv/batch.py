@@ -252,6 +252,7 @@ async def answer_window(
         finally:
             prefilled[i].set()  # failed or cancelled: nobody waits for it
         if item.session is not None:
+            assert answer is not None  # the stream's last delta carries the answer
             turns.setdefault(item.session, []).extend(
                 [{"role": "user", "content": item.question},
                  {"role": "assistant", "content": answer.text}]

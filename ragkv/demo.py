@@ -86,7 +86,8 @@ def answer_examples(workload: Any, config: Any, count: int, max_tokens: int) -> 
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
     from ragkv.pipeline import Pipeline
 
-    picked, topics = [], set()
+    picked: list[Any] = []
+    topics: set[str] = set()
     for request in workload.requests:
         if len(picked) < count and request.topic not in topics:
             picked.append(request)

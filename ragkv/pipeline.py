@@ -21,7 +21,13 @@ from ragkv.assembler import Assembler, AssemblerConfig, PromptPlan
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import DEFAULT_WINDOW
 from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.cache_engine.engine_like import EngineLike, MayReuseChunks, ProbesPrefix
+from ragkv.cache_engine.engine_like import (
+    EngineLike,
+    KnowsContextLength,
+    KnowsPoolSize,
+    MayReuseChunks,
+    ProbesPrefix,
+)
 from ragkv.cache_engine.outputs import Output, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.dedup import Chunk, ChunkRegistry, Deduplicator, DedupResult, DedupStats
@@ -436,12 +442,12 @@ class Pipeline:
         (``answer.dropped``); None when the engine does not say its context."""
         if self.max_prompt_tokens is not None or not self.fit_context:
             return self.max_prompt_tokens
-        room = getattr(self.engine, "max_model_len", None)
+        engine = self.engine
+        room = engine.max_model_len if isinstance(engine, KnowsContextLength) else None
         if not isinstance(room, int):
             return None
-        pool = getattr(self.engine, "kv_cache_tokens", None)
-        if isinstance(pool, int):
-            room = min(room, pool)
+        if isinstance(engine, KnowsPoolSize) and isinstance(engine.kv_cache_tokens, int):
+            room = min(room, engine.kv_cache_tokens)
         return max(room - params.max_tokens, room // 2)
 
     def _params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:

@@ -57,8 +57,10 @@ from ragkv.errors import ConfigError, InvalidInputError
 
 try:
     import fcntl
+
+    _HAS_FLOCK = True
 except ImportError:  # not POSIX: namespaces in use are not protected from trimming
-    fcntl = None
+    _HAS_FLOCK = False
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +349,7 @@ class DiskStore:
             if used <= self.capacity_bytes // 2:
                 break
             fd = _lock_namespace(path, exclusive=True)
-            if fd is None and fcntl is not None:
+            if fd is None and _HAS_FLOCK:
                 continue  # an open store holds it: never pull a live engine's tier away
             shutil.rmtree(path, ignore_errors=True)
             if fd is not None:
@@ -363,7 +365,7 @@ def _lock_namespace(directory: Path, *, exclusive: bool) -> int | None:
     trim in progress). Exclusive: taken without waiting, so it fails while any store holds
     the namespace. None also where ``flock`` does not exist or the file cannot be opened.
     """
-    if fcntl is None:
+    if not _HAS_FLOCK:
         return None
     path = directory / LOCK_NAME
     try:

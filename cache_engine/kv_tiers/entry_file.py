@@ -32,6 +32,7 @@ import hmac
 import os
 import struct
 from dataclasses import dataclass
+from io import BufferedIOBase
 from typing import BinaryIO
 
 import torch
@@ -108,7 +109,7 @@ def write_entry(
     data = payload_bytes(payload)
     head = encode_head(block_hash, hash_input, payload, xxhash.xxh3_64_intdigest(data))
     file.write(head)
-    file.write(memoryview(data))
+    file.write(data)
     file.write(_mac(key, head, data))
     return len(head) + payload.nbytes + MAC_LEN
 
@@ -154,7 +155,7 @@ def read_header(file: BinaryIO) -> EntryHeader:
     )
 
 
-def read_payload(file: BinaryIO, header: EntryHeader, key: bytes) -> torch.Tensor:
+def read_payload(file: BufferedIOBase, header: EntryHeader, key: bytes) -> torch.Tensor:
     """Read the payload after :func:`read_header` into a fresh tensor; checksum and MAC
     (under ``key``) verified. Check the header's dtype and shape against what the reader
     expects first: this allocates ``payload_len`` bytes."""
@@ -163,7 +164,7 @@ def read_payload(file: BinaryIO, header: EntryHeader, key: bytes) -> torch.Tenso
         raise DamagedEntry("payload length differs from the header's")
     payload = torch.empty(header.shape, dtype=header.dtype)
     data = payload_bytes(payload)
-    if file.readinto(memoryview(data)) != header.payload_len:
+    if file.readinto(data) != header.payload_len:
         raise DamagedEntry("payload length differs from the header's")
     mac = file.read(MAC_LEN + 1)
     if len(mac) != MAC_LEN:
@@ -175,7 +176,7 @@ def read_payload(file: BinaryIO, header: EntryHeader, key: bytes) -> torch.Tenso
     return payload
 
 
-def _mac(key: bytes, head: bytes, data: object) -> bytes:
+def _mac(key: bytes, head: bytes, data: memoryview) -> bytes:
     hasher = blake3(head, key=key)
     hasher.update(data)
     return hasher.digest()

@@ -7,7 +7,6 @@ view of the (contiguous, CPU) tensor, which costs no copy.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import xxhash
 
@@ -28,9 +27,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-def payload_bytes(payload: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor as a ``uint8`` array sharing its memory."""
-    return payload.reshape(-1).view(torch.uint8).numpy()
+def payload_bytes(payload: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a view sharing its memory."""
+    return payload.reshape(-1).view(torch.uint8).numpy().data
 
 
 def checksum(payload: torch.Tensor) -> int:

@@ -290,10 +290,12 @@ class KVTiers:
     def _snapshot_that_fits(self) -> list[HostEntry]:
         """Host entries not on disk yet, the most recently used that fit the disk's bound,
         least recently used first (so the most recent are written last and kept)."""
-        budget = self.disk.capacity_bytes
+        host, disk = self.host, self.disk
+        assert host is not None and disk is not None  # write-back with both tiers (close)
+        budget = disk.capacity_bytes
         chosen: list[HostEntry] = []
-        for entry in reversed(self.host.snapshot()):
-            if self.disk.contains(entry.block_hash) or (entry.salted and not self.salted_to_disk):
+        for entry in reversed(host.snapshot()):
+            if disk.contains(entry.block_hash) or (entry.salted and not self.salted_to_disk):
                 continue
             if entry.nbytes > budget:
                 break
@@ -313,9 +315,12 @@ class KVTiers:
         return count >= self.admit_after
 
     def _admit_from_host(self, block_hash: bytes) -> None:
-        if not self._admitted(block_hash) or self.disk.contains(block_hash):
+        host, disk = self.host, self.disk  # a host hit; without disk nothing is admitted
+        if host is None or disk is None or not self._admitted(block_hash):
             return
-        entry: HostEntry | None = self.host.peek(block_hash)
+        if disk.contains(block_hash):
+            return
+        entry: HostEntry | None = host.peek(block_hash)
         if entry is not None:
             self._enqueue(
                 _Task(

@@ -13,6 +13,7 @@ from langchain_core.runnables.utils import AddableDict
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import BatchItem
 from ragkv.cache_engine.chunk_reuse import BlendConfig
+from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Deduplicator
 from ragkv.integrations._pipeline import pipeline_for
@@ -63,10 +64,16 @@ def create_rag_chain(
     them; an input may carry ``"session"`` so that its turns run in order, each with the
     session's earlier answers as history when it has none.
     """
+    given = chat_model if isinstance(chat_model, Pipeline) else None
     model = None if isinstance(chat_model, Pipeline) else chat_model
+
+    def engine() -> EngineLike:  # pipeline_for calls it only when no pipeline was given
+        assert model is not None
+        return model.get_engine()
+
     pipeline = pipeline_for(
-        chat_model if model is None else None,
-        lambda: model.get_engine(),
+        given,
+        engine,
         deduplicator=deduplicator,
         order=order,
         max_prompt_tokens=max_prompt_tokens,
@@ -183,7 +190,9 @@ def create_rag_chain(
             )
             return results(batch, answers, docs, return_exceptions)
 
-    return RagChain(transform, atransform, name="ragkv_rag_chain")
+    # The ignore: RunnableGenerator passes the config to a transform that takes one (as
+    # these do, for the retriever's callbacks); its annotations leave that form out.
+    return RagChain(transform, atransform, name="ragkv_rag_chain")  # type: ignore[arg-type]
 
 
 def _answerable(batch: list[BatchItem | BaseException]) -> list[BatchItem]:

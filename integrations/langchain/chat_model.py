@@ -12,6 +12,7 @@ from langchain_core.callbacks import (
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
@@ -40,7 +41,8 @@ class ChatRagKV(BaseChatModel):
     directory; ``None``: the embedded SmolLM2-135M-Instruct) to load one lazily; models with
     the same settings share one engine per process. Messages become a prompt through the
     tokenizer's chat template. ``usage_metadata.input_token_details["cache_read"]`` is the
-    number of prompt tokens served from the prefix cache (0 included).
+    number of prompt tokens served from the prefix cache (0 included; absent when a remote
+    server does not report it).
 
     ``max_retries`` is accepted for LangChain compatibility: a local engine has no transient
     failures to retry. ``timeout`` aborts a generation that runs longer.
@@ -188,11 +190,14 @@ def _to_chat(message: BaseMessage) -> dict[str, str]:
 
 def _usage(output: Output) -> UsageMetadata:
     u = output.usage
+    # LangChain's details are ints; a remote server that does not report cached tokens
+    # leaves cache_read out rather than None (which usage addition would choke on).
+    details: InputTokenDetails = {} if u.cached_tokens is None else {"cache_read": u.cached_tokens}
     return UsageMetadata(
         input_tokens=u.prompt_tokens,
         output_tokens=u.completion_tokens,
         total_tokens=u.total_tokens,
-        input_token_details={"cache_read": u.cached_tokens},
+        input_token_details=details,
     )
 
 

@@ -23,7 +23,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragkv.cache_engine import Output, SamplingParams
-from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.engine_like import EngineLike, KnowsContextLength
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations._engine import (
     EngineField,
@@ -71,9 +71,10 @@ class RagKVLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         engine = self.get_engine()
+        # A remote engine does not know the server's context: LlamaIndex's default then.
+        known = engine.max_model_len if isinstance(engine, KnowsContextLength) else None
         return LLMMetadata(
-            # A remote engine does not know the server's context: LlamaIndex's default then.
-            context_window=getattr(engine, "max_model_len", None) or DEFAULT_CONTEXT_WINDOW,
+            context_window=known or DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_tokens,
             is_chat_model=True,
             model_name=engine.model_name,

@@ -21,6 +21,7 @@ from ragkv.dedup import Chunk, Deduplicator
 from ragkv.dedup.merge import DUPLICATES
 from ragkv.integrations._documents import make_chunk
 from ragkv.integrations._pipeline import pipeline_for
+from ragkv.integrations.llama_index.llm import RagKVLLM
 from ragkv.pipeline import Answer, Pipeline
 
 
@@ -59,7 +60,7 @@ class RagKVSynthesizer(BaseSynthesizer):
 
     def __init__(
         self,
-        llm: Any,
+        llm: RagKVLLM,
         *,
         system: SystemLike | None = None,
         deduplicator: Deduplicator | None = None,
@@ -72,6 +73,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         pipeline: Pipeline | None = None,
     ) -> None:
         super().__init__(llm=llm, streaming=streaming)
+        self._rag_llm = llm  # the base class keeps it typed as any LLM
         self.system = system
         self.metadata_mode = metadata_mode
         self.pipeline = pipeline_for(
@@ -135,7 +137,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         share one node order. Responses come in the queries' order (never streaming)."""
         items, nodes = self._batch_items(queries)
         answers = self.pipeline.answer_batch(
-            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+            items, params=self._rag_llm.sampling_params(), return_exceptions=return_exceptions
         )
         return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
 
@@ -148,7 +150,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         """Asyncio form of :meth:`synthesize_batch`."""
         items, nodes = self._batch_items(queries)
         answers = await self.pipeline.aanswer_batch(
-            items, params=self._llm.sampling_params(), return_exceptions=return_exceptions
+            items, params=self._rag_llm.sampling_params(), return_exceptions=return_exceptions
         )
         return [_response(a, n) for a, n in zip(answers, nodes, strict=True)]
 
@@ -159,7 +161,7 @@ class RagKVSynthesizer(BaseSynthesizer):
         for query, found in queries:
             question, chunks, _ = self._inputs(query, found)
             items.append(BatchItem(question, chunks, system=self.system,
-                                   cache_salt=self._llm.cache_salt))  # fmt: skip
+                                   cache_salt=self._rag_llm.cache_salt))  # fmt: skip
             nodes.append(found)
         return items, nodes
 
@@ -186,8 +188,8 @@ class RagKVSynthesizer(BaseSynthesizer):
     def _call_kwargs(self) -> dict[str, Any]:
         return {
             "system": self.system,
-            "params": self._llm.sampling_params(),
-            "cache_salt": self._llm.cache_salt,
+            "params": self._rag_llm.sampling_params(),
+            "cache_salt": self._rag_llm.cache_salt,
         }
 
 

@@ -22,8 +22,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import httpx
 
@@ -40,6 +40,9 @@ from ragkv.integrations.openai.client_reader import (
     transport_error,
 )
 from ragkv.integrations.openai.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,9 @@ class RemoteEngine:
     that pass none. ``timeout_s`` bounds each read of an attempt (connect, and each read of
     a stream), ``deadline_s`` the whole answer (a server that trickles bytes cannot hold a
     call longer); answers are read up to 16 MiB and SSE lines up to 1 Mi characters.
-    ``max_retries`` attempts follow a retryable failure.
+    ``max_retries`` attempts follow a retryable failure. ``transport`` replaces httpx's own
+    (tests): both the sync and the asyncio client use it, so for calls of both kinds it must
+    be both kinds of transport, as ``httpx.MockTransport`` is.
     """
 
     def __init__(
@@ -100,7 +105,9 @@ class RemoteEngine:
             base_url=self.base_url,
             headers=self._headers,
             timeout=self._timeout,
-            transport=transport,
+            # The ignores here and in _async_client: typing cannot say "both kinds of
+            # transport" (no intersection types); each client gets the one object.
+            transport=transport,  # type: ignore[arg-type]
         )
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
@@ -122,6 +129,24 @@ class RemoteEngine:
                 ) from exc
         return self._model
 
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **sampling: Any,
+    ) -> list[Output]: ...
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -144,7 +169,7 @@ class RemoteEngine:
         *,
         cache_salt: str | None = None,
         **sampling: Any,
-    ) -> Iterator[StreamDelta]:
+    ) -> Generator[StreamDelta, None, None]:
         """Text deltas as the server streams them; the last one carries ``finish_reason`` and
         the ``output``. Closing the iterator closes the connection, which a server like
         ``ragkv serve`` or vLLM treats as an abort."""
@@ -188,7 +213,7 @@ class RemoteEngine:
         *,
         cache_salt: str | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Asyncio form of :meth:`stream`; cancelling it closes the connection."""
         payload, state = self._stream_request(prompt, resolve_params(params, sampling), cache_salt)
         response = await self._asend(payload, stream=True)
@@ -388,7 +413,7 @@ class RemoteEngine:
                 base_url=self.base_url,
                 headers=self._headers,
                 timeout=self._timeout,
-                transport=self._transport,
+                transport=self._transport,  # type: ignore[arg-type]
             )
             self._aclient_loop = loop
         return self._aclient
@@ -404,7 +429,7 @@ class RemoteEngine:
         return delay
 
 
-def _is_single(prompts: Any) -> bool:
+def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
     if isinstance(prompts, str):
         return True
     return isinstance(prompts, Sequence) and (

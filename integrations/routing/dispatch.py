@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
 from ragkv.cache_engine.engine_like import Prompt
@@ -68,7 +68,7 @@ class Dispatcher:
 
     def stream(
         self, route: Route, prompt: Prompt, params: SamplingParams | None, salt: str | None
-    ) -> Iterator[StreamDelta]:
+    ) -> Generator[StreamDelta, None, None]:
         while True:
             replica = self._pick(route)
             deltas = replica.engine.stream(prompt, params, cache_salt=salt)
@@ -91,7 +91,7 @@ class Dispatcher:
 
     async def astream(
         self, route: Route, prompt: Prompt, params: SamplingParams | None, salt: str | None
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         while True:
             replica = await self._apick(route)
             deltas = replica.engine.astream(prompt, params, cache_salt=salt)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragkv.cache_engine.engine_like import EngineLike
+from ragkv.cache_engine.engine_like import EngineLike, KnowsPoolSize
 from ragkv.errors import ConfigError
 from ragkv.integrations.routing.prefix_index import PrefixIndex
 
@@ -110,6 +110,6 @@ def _capacities(replicas: Sequence[Any], index_blocks: int | Sequence[int] | Non
         return list(index_blocks)
     out = []
     for r in replicas:
-        tokens = getattr(r, "kv_cache_tokens", None)
+        tokens = r.kv_cache_tokens if isinstance(r, KnowsPoolSize) else None
         out.append(tokens // r.block_size if isinstance(tokens, int) else DEFAULT_INDEX_BLOCKS)
     return out

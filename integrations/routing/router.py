@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
-from ragkv.cache_engine.engine_like import EngineLike, Prompt
+from ragkv.cache_engine.engine_like import Closes, ClosesAsync, EngineLike, Prompt
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import ConfigError
@@ -31,6 +31,9 @@ from ragkv.integrations.routing.replica import (
     build_replicas,
 )
 from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session_scope
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 
 class ReplicaRouter:
@@ -175,6 +178,26 @@ class ReplicaRouter:
         to ``session_id``: a follow-up prefers its session's previous replica."""
         return session_scope(session_id)
 
+    # The ignore: a str is also a Sequence[str], so the two overlap; the first (one prompt)
+    # is the one that applies to a str, as at run time.
+    @overload
+    def generate(  # type: ignore[overload-overlap]
+        self,
+        prompts: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> list[Output]: ...
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -195,7 +218,7 @@ class ReplicaRouter:
         *,
         cache_salt: str | None = None,
         session_id: str | None = None,
-    ) -> Iterator[StreamDelta]:
+    ) -> Generator[StreamDelta, None, None]:
         """The chosen replica's deltas. A failure before the first delta moves the request
         to the next replica; after it, the failure is raised (nothing is sent twice)."""
         route = self._selector.route(prompt, cache_salt, session_id)  # in the caller's thread
@@ -219,7 +242,7 @@ class ReplicaRouter:
         *,
         cache_salt: str | None = None,
         session_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         route = self._selector.route(prompt, cache_salt, session_id)
         return self._dispatch.astream(route, prompt, params, cache_salt)
 
@@ -243,16 +266,14 @@ class ReplicaRouter:
 
     def close(self) -> None:
         for r in self._replicas:
-            closer = getattr(r.engine, "close", None)
-            if closer is not None:
-                closer()
+            if isinstance(r.engine, Closes):
+                r.engine.close()
 
     async def aclose(self) -> None:
         for r in self._replicas:
-            closer = getattr(r.engine, "aclose", None)
-            if closer is not None:
-                await closer()
-            elif getattr(r.engine, "close", None) is not None:
+            if isinstance(r.engine, ClosesAsync):
+                await r.engine.aclose()
+            elif isinstance(r.engine, Closes):
                 r.engine.close()
 
     def __enter__(self) -> ReplicaRouter:
@@ -278,7 +299,7 @@ class ReplicaRouter:
         return self._dispatch.generate(route, prompt, params, cache_salt)
 
 
-def _is_single(prompts: Any) -> bool:
+def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
     if isinstance(prompts, str):
         return True
     return isinstance(prompts, Sequence) and (

@@ -121,7 +121,7 @@ def ragpulse_workload(
             RequestSpec(
                 index=index,
                 session_id=str(line.get("session_id", f"r{number}")),
-                system=[text("sys_prompt", i) for i in ids["sys_prompt"]],  # type: ignore[arg-type]
+                system=[text("sys_prompt", i) for i in ids["sys_prompt"]],
                 question="".join(text("user_input", i) for i in ids["user_input"]),
                 chunks=chunks,
                 history=[

@@ -91,7 +91,7 @@ def determinism(
                 (result.spec.name, r.index, r.token_ids)
             )
     pairs = mismatches = 0
-    examples = []
+    examples: list[dict[str, list[Any]]] = []
     for entries in seen.values():
         for i, (lane_a, index_a, out_a) in enumerate(entries):
             for lane_b, index_b, out_b in entries[i + 1 :]:
@@ -280,7 +280,8 @@ def table_lines(lanes: dict[str, dict[str, Any]], columns: Sequence[Column]) -> 
     right); a list value (one figure per replica) prints as ``a/b/c``."""
     rows = [[title for title, _, _ in columns]]
     for name, lane in lanes.items():
-        rows.append([name] + [_cell(fmt, lane[key]) for _, fmt, key in columns[1:]])
+        cells = [_cell(fmt, name if key is None else lane[key]) for _, fmt, key in columns[1:]]
+        rows.append([name, *cells])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [
         "  ".join(

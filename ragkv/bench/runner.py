@@ -24,7 +24,7 @@ from ragkv.bench.lanes import (
 )
 from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
-from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.config import DEFAULTS, SchedulePolicy
 from ragkv.errors import ConfigError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class BenchConfig:
     dtype: str = DEFAULTS.dtype  # the engine's rule: see cache_engine.config.resolve_dtype
     kv_cache_tokens: int | None = None  # None: half the workload's unique tokens (see below)
     block_size: int = DEFAULTS.block_size
-    schedule_policy: str = DEFAULTS.schedule_policy  # the waiting queue's admission order
+    schedule_policy: SchedulePolicy = (
+        DEFAULTS.schedule_policy
+    )  # the waiting queue's admission order
     max_tokens: int = 8
     concurrency: int = 8
     order: str = "cache-aware"
@@ -233,6 +235,7 @@ def run_bench(
     if TIERS_LANE in names:
         host = config.host_cache_bytes
         if host is None:  # room for every distinct block (a quarter more for headroom)
+            assert profile is not None  # needs_profile
             host = int(profile.distinct_tokens * 1.25) * kv_bytes_per_token(path, dtype)
         tier_settings = {
             "host_cache_bytes": host,
@@ -246,6 +249,7 @@ def run_bench(
         if spec.tiers:
             changes.update(tier_settings)
         if spec.unbounded_pool:
+            assert profile is not None  # needs_profile: the unbounded lane is in names
             changes["kv_cache_tokens"] = max(kv_tokens, profile.kv_tokens(config.block_size, 1.25))
         engine = Engine(engine_config.replace(**changes))
         model_name[0] = engine.model_name
@@ -274,7 +278,7 @@ def run_bench(
     if blend and "ragkv" not in config.lanes:
         raise ConfigError(f"the {BLEND_LANE} lane replays the ragkv lane's prompts: add ragkv")
     try:
-        results = []
+        results: list[LaneResult] = []
         for spec in lanes:
             if spec.reuse:
                 exact = next(r for r in results if r.spec.name == "ragkv")

@@ -15,10 +15,10 @@ and time (``timings`` are zero). Sizing a deployment from a trace is what it is 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from ragkv.cache_engine.block_hash import digest_salt
+from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.outputs import EngineStats, Output, StreamDelta, Timings, Usage
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ class _Request:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.salt_digest = salt_digest
-        self.block_hasher = None
+        self.block_hasher: BlockHasher | None = None
 
 
 class SimulatedEngine:
@@ -148,7 +148,7 @@ class SimulatedEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """The whole output as one delta (nothing is generated step by step here)."""
         output = self.generate(prompt, params, cache_salt=cache_salt)
         yield StreamDelta(

@@ -240,6 +240,19 @@ def test_a_stream_without_usage_still_finishes_with_unknown_cache():
     assert deltas[-1].output.text == "ab" and deltas[-1].output.usage.cached_tokens is None
 
 
+def test_langchain_usage_leaves_cache_read_out_when_the_server_does_not_report_it():
+    """LangChain adds usage up field by field and refuses None: unknown is left out."""
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages.ai import add_usage
+
+    from ragkv.cache_engine.outputs import Output, Timings, Usage
+    from ragkv.integrations.langchain.chat_model import _usage
+
+    usage = _usage(Output("r", [1, 2], [3], "x", "stop", Usage(2, 1, None), Timings(0, 0, 0)))
+    assert "cache_read" not in usage["input_token_details"]
+    assert add_usage(usage, usage)["total_tokens"] == 6
+
+
 def test_framework_adapters_run_on_a_remote_engine(remote, serve_engine):
     """ChatRagKV and RagKVLLM take any EngineLike, not only the in-process Engine."""
     pytest.importorskip("langchain_core")

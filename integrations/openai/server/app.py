@@ -250,9 +250,10 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     @_answered_here
     async def completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_completion)
-        prompt = parsed.prompt
+        tenant, prompt = parsed.tenant or "", parsed.prompt  # _parse sets the tenant
+        assert prompt is not None  # parse_completion sets it or refuses the body
         if isinstance(prompt, str):
-            prompt = await served.workers.run(parsed.tenant, _tokenize, served.engine, prompt)
+            prompt = await served.workers.run(tenant, _tokenize, served.engine, prompt)
             check_prompt_tokens(len(prompt), served.limits, "prompt")
         return await generate(request, served, parsed, prompt, chat=False, extra=None)
 
@@ -261,7 +262,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     async def chat_completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_chat)
         token_ids, extra, reuse = await served.workers.run(
-            parsed.tenant, _chat_prompt, served, parsed
+            parsed.tenant or "", _chat_prompt, served, parsed
         )
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
         check_prompt_tokens(len(token_ids), served.limits, culprit)

@@ -15,9 +15,12 @@ import ipaddress
 import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ragkv.cache_engine.engine_flags import add_engine_flags, engine_config_from_args
+from ragkv.cache_engine.engine_like import Closes
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import ConfigError, MissingDependencyError
 from ragkv.integrations.openai.limits import (
@@ -38,6 +41,9 @@ from ragkv.integrations.openai.server.settings import (
     LOOPBACK_HOSTS,
     validate_api_keys,
 )
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI  # imported in run(), with the other heavy modules
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def close_on_shutdown(app: object, engine: object) -> None:
+def close_on_shutdown(app: FastAPI, engine: Closes) -> None:
     """Close ``engine`` (KV tiers write back) when the server shuts down, before uvicorn
     re-raises the signal that stopped it: a re-raised SIGTERM ends the process at once, so
     closing after ``uvicorn.run`` returned would never run."""
@@ -210,11 +216,11 @@ def close_on_shutdown(app: object, engine: object) -> None:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
-    async def lifespan(_app: object):  # type: ignore[no-untyped-def]
+    async def lifespan(_app: object) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(engine.close)  # type: ignore[attr-defined]
+        await asyncio.to_thread(engine.close)
 
-    app.router.lifespan_context = lifespan  # type: ignore[attr-defined]
+    app.router.lifespan_context = lifespan
 
 
 def show_access_log() -> None:

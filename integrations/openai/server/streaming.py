@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -110,13 +110,13 @@ async def _sse(
     parsed: GenerationRequest,
     request_id: str,
     prompt_ids: list[int],
-    stream: AsyncIterator[Any],
+    stream: AsyncGenerator[Any, None],
     first: Any,
     deadline: float,
     *,
     chat: bool,
     state: Any,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE events of one streamed request. Starlette cancels this generator when the client
     disconnects; closing ``stream`` then aborts the request and frees its blocks."""
     model = served.model_name
