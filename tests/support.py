@@ -133,6 +133,19 @@ def tiny_engine(directory: Path, seed: int, **settings: Any) -> Iterator[Any]:
         yield engine
 
 
+def tiny_engine_fixture(directory_name: str, seed: int, **settings: Any) -> Any:
+    """A module-scoped ``engine`` fixture: a :func:`tiny_engine` in a fresh directory
+    (``engine = tiny_engine_fixture("name", seed, kv_cache_tokens=...)`` at module level)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def engine(tmp_path_factory):
+        with tiny_engine(tmp_path_factory.mktemp(directory_name), seed, **settings) as eng:
+            yield eng
+
+    return engine
+
+
 def ids(seed: int, n: int) -> list[int]:
     """``n`` random token ids of the tiny vocab, skipping the special ids 0-2 (same per seed)."""
     rng = random.Random(seed)

@@ -109,16 +109,29 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()  # the parsers' default: frozen, so one shared instance
 
 
+def over_limit(
+    what: str,
+    count: int,
+    unit: str,
+    limit: int,
+    *,
+    param: str,
+    tail: str = "",
+    code: str | None = None,
+) -> APIError:
+    """The 400 for a request past one of the server's limits, in one wording: "``what`` has
+    ``count`` ``unit``; this server accepts at most ``limit``" and ``tail`` (what to do)."""
+    message = f"{what} has {count} {unit}; this server accepts at most {limit}{tail}"
+    return APIError(400, message, param=param, code=code)
+
+
 def check_prompt_tokens(count: int, limits: RequestLimits, param: str) -> None:
     """400 when a prompt of ``count`` tokens exceeds ``limits.max_prompt_tokens``."""
     if limits.max_prompt_tokens is not None and count > limits.max_prompt_tokens:
-        raise APIError(
-            400,
-            f"the prompt has {count} tokens; this server accepts at most "
-            f"{limits.max_prompt_tokens}. Send fewer or shorter chunks or messages",
-            param=param,
-            code="context_length_exceeded",
-        )
+        raise over_limit(
+            "the prompt", count, "tokens", limits.max_prompt_tokens, param=param,
+            tail=". Send fewer or shorter chunks or messages", code="context_length_exceeded",
+        )  # fmt: skip
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -176,8 +189,7 @@ def check_text_bytes(texts: list[str], limits: RequestLimits, param: str) -> Non
     """Refuse prompt text over ``limits.max_text_bytes`` UTF-8 bytes (before tokenizing)."""
     total = 0
     for text in texts:
-        # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
-        total += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        total += _utf8_size(text)
         if total > limits.max_text_bytes:
             raise APIError(
                 400,
@@ -194,14 +206,15 @@ def check_chunk_bytes(chunk: Any, param: str, limits: RequestLimits) -> int:
     text = chunk.get("content") if isinstance(chunk, dict) else chunk
     if not isinstance(text, str):
         return 0
-    # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
-    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    size = _utf8_size(text)
     if size > limits.max_chunk_bytes:
-        raise APIError(
-            400,
-            f"{param} has {size} bytes; this server accepts at most {limits.max_chunk_bytes} "
-            "per chunk. Split it into smaller chunks",
-            param=param,
-            code="chunk_too_large",
-        )
+        raise over_limit(
+            param, size, "bytes", limits.max_chunk_bytes, param=param,
+            tail=" per chunk. Split it into smaller chunks", code="chunk_too_large",
+        )  # fmt: skip
     return size
+
+
+def _utf8_size(text: str) -> int:
+    # len(text) <= bytes <= 4 * len(text): encode only when the bound does not decide.
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

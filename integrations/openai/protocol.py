@@ -31,6 +31,7 @@ from ragkv.integrations.openai.limits import (
     check_chunk_bytes,
     check_prompt_tokens,
     check_text_bytes,
+    over_limit,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -159,11 +160,8 @@ def _messages(messages: Any, limits: RequestLimits) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
     if len(messages) > limits.max_messages:
-        raise APIError(
-            400,
-            f"messages has {len(messages)} entries; this server accepts at most "
-            f"{limits.max_messages}",
-            param="messages",
+        raise over_limit(
+            "messages", len(messages), "entries", limits.max_messages, param="messages"
         )
     parsed = []
     for i, message in enumerate(messages):
@@ -213,13 +211,10 @@ def _rag(value: Any, limits: RequestLimits) -> RagContext:
     if not isinstance(chunks, list):
         raise APIError(400, "ragkv.chunks must be a list", param="ragkv.chunks")
     if len(chunks) > limits.max_chunks:
-        raise APIError(
-            400,
-            f"ragkv.chunks has {len(chunks)} chunks; this server accepts at most "
-            f"{limits.max_chunks} per request",
-            param="ragkv.chunks",
-            code="too_many_chunks",
-        )
+        raise over_limit(
+            "ragkv.chunks", len(chunks), "chunks", limits.max_chunks, param="ragkv.chunks",
+            tail=" per request", code="too_many_chunks",
+        )  # fmt: skip
     parsed = []
     total = 0
     for i, chunk in enumerate(chunks):

@@ -12,7 +12,7 @@ from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
-from support import tiny_engine, training_text  # noqa: E402
+from support import tiny_engine_fixture, training_text  # noqa: E402
 
 from ragkv.dedup import Deduplicator  # noqa: E402
 from ragkv.errors import InvalidInputError, RequestAbortedError  # noqa: E402
@@ -44,10 +44,7 @@ class TokenRecorder(BaseCallbackHandler):
         self.tokens.append(token)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine(tmp_path_factory.mktemp("lc"), 3, kv_cache_tokens=8192) as eng:
-        yield eng
+engine = tiny_engine_fixture("lc", 3, kv_cache_tokens=8192)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from llama_index.core.instrumentation.events.llm import (  # noqa: E402
     LLMCompletionInProgressEvent,
 )
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
-from support import tiny_engine, training_text  # noqa: E402
+from support import tiny_engine_fixture, training_text  # noqa: E402
 
 from ragkv.integrations.llama_index import (  # noqa: E402
     DedupPostprocessor,
@@ -53,10 +53,7 @@ def recorder():
     root.event_handlers.remove(handler)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine(tmp_path_factory.mktemp("li"), 4, kv_cache_tokens=8192) as eng:
-        yield eng
+engine = tiny_engine_fixture("li", 4, kv_cache_tokens=8192)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support import tiny_engine, training_text
+from support import tiny_engine, tiny_engine_fixture, training_text
 
 import ragkv
 from ragkv.cache_engine import SamplingParams
@@ -15,10 +15,7 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 SYSTEM = "Answer the question from the context."
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine(tmp_path_factory.mktemp("llama"), 5, kv_cache_tokens=8192) as eng:
-        yield eng
+engine = tiny_engine_fixture("llama", 5, kv_cache_tokens=8192)
 
 
 @pytest.fixture
