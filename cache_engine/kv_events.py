@@ -101,7 +101,8 @@ class KVEventBuffer:
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
         self.max_events = max_events
-        self.dropped = 0
+        self.accepted = 0  # events put and kept (a consumer has seen them all when it took
+        self.dropped = 0  # this many)
         self._events: deque[KVEvent] = deque()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -113,6 +114,7 @@ class KVEventBuffer:
                 self.dropped += 1
                 return
             self._events.append(event)
+            self.accepted += 1
         self._ready.set()
 
     def take(self, timeout_s: float | None = None) -> tuple[list[KVEvent], bool]:
