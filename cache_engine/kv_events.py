@@ -20,7 +20,9 @@ recomputes them; they only name blocks between a ``BlockStored`` and its ``Block
 
 ``medium`` says where the block lives (:data:`MEDIA`): ``"GPU"`` is the engine's KV pool
 whatever its device (vLLM's name for it, also on its CPU backend), ``"CPU"`` the host-memory
-tier, ``"DISK"`` the disk tier.
+tier, ``"DISK"`` the disk tier. The engine publishes its pool only so far: the tiers' names
+are fixed here for when they publish too (a router already scores them, as vLLM's offloading
+connector sends ``"CPU"``).
 """
 
 from __future__ import annotations

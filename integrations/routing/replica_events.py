@@ -12,8 +12,10 @@ without events (:class:`~.prefix_index.PrefixIndex`, corrected by ``cached_token
   skipped a number): the missing batches are asked for by replay; all of them back, they
   are applied in order; any missing, the index is cleared and unsynced (a fallback, never
   a wrong belief);
-- seq goes back: the publisher restarted (its cache is new): cleared, and synced again if
-  it restarted from 0;
+- seq goes back: a message replay already brought is skipped; any other means the publisher
+  restarted (its cache is new): cleared, and synced again if it restarted from 0;
+- a follower starting asks the replay socket for everything from 0 at once, so it is synced
+  before the replica publishes again.
 - ``AllBlocksCleared`` (an engine starting, a reset) makes an index exact again: synced.
 
 One thread per replica reads its feed; replays run on it without the router's lock.
@@ -30,6 +32,10 @@ from ragkv.cache_engine.kv_events import AllBlocksCleared, KVEventBatch
 from ragkv.integrations.routing.event_index import DEFAULT_EVENT_INDEX_BLOCKS, EventIndex
 
 logger = logging.getLogger(__name__)
+
+# Replayed batches remembered to skip their live copies (a replay answers at most the
+# publisher's buffer: 10,000 batches by default).
+MAX_REMEMBERED = 20_000
 
 Message = tuple[int, KVEventBatch | None]  # (seq, batch); None: the payload did not decode
 
@@ -72,6 +78,7 @@ class ReplicaEvents:
         self.gaps = 0  # holes replay could not fill (the index was cleared)
         self.undecodable = 0
         self._next_seq: int | None = None  # the follower thread's own
+        self._replayed: dict[int, float] = {}  # seq -> ts of batches replay brought
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,6 +96,10 @@ class ReplicaEvents:
         self.feed.close()
 
     def _follow(self) -> None:
+        try:
+            self.catch_up()
+        except Exception:
+            logger.exception("KV events of %s: the first replay failed", self.name)
         while not self._stop.is_set():
             try:
                 message = self.feed.next(0.2)
@@ -100,10 +111,30 @@ class ReplicaEvents:
                     self._lose()
                 self._stop.wait(1.0)
 
+    def catch_up(self) -> None:
+        """Apply everything the feed's replay holds from seq 0 (a follower's start)."""
+        messages = self.feed.replay(0)
+        if not messages or messages[0][0] != 0:
+            return
+        seqs = [seq for seq, _ in messages]
+        if seqs != list(range(len(seqs))):
+            return
+        self._remember(messages)
+        self._next_seq = len(messages)
+        with self.lock:
+            self.synced = True
+            for _, batch in messages:
+                self._apply(batch)
+
     def receive(self, seq: int, batch: KVEventBatch | None) -> None:
         """Take one message: replay what is missing before it (without the lock), then apply
         in order (under it)."""
-        expected, self._next_seq = self._next_seq, seq + 1
+        expected = self._next_seq
+        if expected is not None and seq < expected:
+            seen = self._replayed.get(seq)
+            if seen is not None and batch is not None and seen == batch.ts:
+                return  # replay brought it already
+        self._next_seq = seq + 1
         restart = expected is not None and seq < expected
         todo: list[KVEventBatch | None] = [batch]
         lost = False
@@ -136,8 +167,17 @@ class ReplicaEvents:
         by_seq = dict(messages)
         if any(s not in by_seq for s in range(start, stop)):
             return None
+        self._remember(messages)
         self.replayed += stop - start
         return [by_seq[s] for s in range(start, stop)]
+
+    def _remember(self, messages: list[Message]) -> None:
+        """Note replayed batches, so their live copies arriving late are skipped."""
+        if len(self._replayed) > MAX_REMEMBERED:
+            self._replayed.clear()
+        for seq, batch in messages:
+            if batch is not None:
+                self._replayed[seq] = batch.ts
 
     # -- under the lock -------------------------------------------------------------------
     def _apply(self, batch: KVEventBatch | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from ragkv.cache_engine.engine_like import EngineLike, Prompt
@@ -141,6 +141,8 @@ class ReplicaRouter:
         cache_salt: str | None = None,
         timeout_s: float = 120.0,
         send_token_ids: bool = True,
+        kv_events: Mapping[str, str | tuple[str, str | None]] | None = None,
+        kv_events_topic: str = "",
         **router_options: Any,
     ) -> ReplicaRouter:
         """A router over servers: one :class:`~ragkv.integrations.openai.RemoteEngine` per
@@ -153,6 +155,12 @@ class ReplicaRouter:
         RemoteEngine's. The replicas do not retry (``max_retries=0``): the router retries
         across replicas. ``router_options`` go to :class:`ReplicaRouter`
         (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...).
+
+        ``kv_events`` maps a URL to its server's KV event publisher: its PUB endpoint, or
+        ``(endpoint, replay_endpoint)`` (``ragkv serve --kv-events-endpoint`` /
+        ``--kv-events-replay-endpoint``, vLLM's ``--kv-events-config`` ``endpoint`` /
+        ``replay_endpoint``, with ``*`` replaced by the server's host), all on
+        ``kv_events_topic``. Needs ``pip install 'ragkv[events]'``.
         """
         from ragkv.cache_engine.config import DEFAULTS
         from ragkv.integrations.openai.client import RemoteEngine
@@ -173,7 +181,22 @@ class ReplicaRouter:
             )
             for url in urls
         ]
-        return cls(replicas, policy=routing, names=list(urls), **router_options)
+        feeds = None
+        if kv_events:
+            from ragkv.integrations.kv_events.subscriber import ZmqFeed
+
+            unknown = set(kv_events) - set(urls)
+            if unknown:
+                raise ConfigError(f"kv_events names URLs that are not replicas: {sorted(unknown)}")
+            feeds = []
+            for url in urls:
+                spec = kv_events.get(url)
+                if spec is None:
+                    feeds.append(None)
+                    continue
+                endpoint, replay = (spec, None) if isinstance(spec, str) else spec
+                feeds.append(ZmqFeed(endpoint, replay_endpoint=replay, topic=kv_events_topic))
+        return cls(replicas, policy=routing, names=list(urls), kv_events=feeds, **router_options)
 
     # -- the Engine surface (EngineLike) ------------------------------------------------------
     @property
