@@ -163,7 +163,9 @@ class BlockHasher:
     ``extend`` takes the *new* tokens and hashes only blocks that became full; the partial
     tail waits for the next call. ``hashes[i]`` identifies block ``i`` and everything before.
     Pass a cache salt as ``salt`` (digested here) or, already digested by
-    :func:`digest_salt` in the caller's thread, as ``salt_digest``.
+    :func:`digest_salt` in the caller's thread, as ``salt_digest``. ``parent`` continues a
+    chain from a known block's hash (its first block is then not a prompt's first, so it
+    takes no salt): what a KV event consumer does with a block stored after its parent.
     """
 
     __slots__ = (
@@ -187,9 +189,12 @@ class BlockHasher:
         salt: str | bytes | None = None,
         salt_digest: bytes | None = None,
         algo: str | HashFn = "xxh3_128",
+        parent: bytes | None = None,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
+        if parent is not None and (salt is not None or salt_digest is not None):
+            raise ConfigError("a salt enters a chain's first block; pass it or parent, not both")
         if salt is not None:
             if salt_digest is not None:
                 raise ConfigError("pass salt or salt_digest, not both")
@@ -203,7 +208,7 @@ class BlockHasher:
         self._first_extra = self._extra
         if salt_digest is not None:
             self._first_extra += _encode_key("salt", salt_digest)
-        self._root = self._one(_ROOT_LABEL)
+        self._root = self._one(_ROOT_LABEL) if parent is None else parent
         self.inputs: list[bytes] = []  # inputs[i]: the exact bytes hashed into hashes[i]
         self._tail: list[int] = []
 

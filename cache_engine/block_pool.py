@@ -35,6 +35,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
         self.num_collisions = 0
+        # When a list, every hash dropped by eviction or ``forget`` is appended to it (the
+        # manager turns them into KV events and clears it); None, the usual case, costs nothing.
+        self.removed: list[bytes] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,6 +142,8 @@ class BlockPool:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
             self.hash_input[block_id] = None
+            if self.removed is not None:
+                self.removed.append(block_hash)
 
     def reset(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
@@ -152,6 +157,8 @@ class BlockPool:
 
     def _evict(self, block_id: int, block_hash: bytes) -> None:
         del self.cached[block_hash]
+        if self.removed is not None:
+            self.removed.append(block_hash)
         self.block_hash[block_id] = None
         self.hash_input[block_id] = None
         self.num_evictions += 1

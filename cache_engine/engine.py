@@ -30,6 +30,7 @@ from ragkv.cache_engine.input_processor import (
     PromptHashes,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
+from ragkv.cache_engine.kv_events import DEFAULT_MAX_EVENTS, AllBlocksCleared, KVEventBuffer
 from ragkv.cache_engine.kv_source import KVSource
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
@@ -55,6 +56,7 @@ class Engine(EngineCalls):
         self.block_size = config.block_size
         self.max_model_len = self.runner.max_model_len
         self.enable_prefix_caching = config.enable_prefix_caching
+        self._kv_events: KVEventBuffer | None = None
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
@@ -154,6 +156,20 @@ class Engine(EngineCalls):
         """Forget every cached block that no running request holds; False if some are in use."""
         with self.core.lock:
             return self.kv.reset_prefix_cache()
+
+    def kv_events(self, max_events: int = DEFAULT_MAX_EVENTS) -> KVEventBuffer:
+        """The engine's KV cache events (vLLM's schema, :mod:`~ragkv.cache_engine.kv_events`)
+        from now on, for one consumer: ``ragkv serve``'s publisher, or a
+        :class:`~ragkv.integrations.routing.ReplicaRouter` in process. The first call starts
+        them with ``AllBlocksCleared`` (exact on an engine that has cached nothing yet) and
+        returns the buffer later calls return too. Bounded by ``max_events``: past it events
+        are dropped and counted, never waited for."""
+        with self.core.lock:
+            if self._kv_events is None:
+                self._kv_events = KVEventBuffer(max_events)
+                self._kv_events.put(AllBlocksCleared())
+                self.kv.set_event_sink(self._kv_events.put)
+            return self._kv_events
 
     def health(self) -> EngineHealth:
         """Whether the engine can serve: its stepping thread runs and steps keep succeeding.

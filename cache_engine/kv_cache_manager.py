@@ -16,7 +16,7 @@ attention reads it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +31,14 @@ from ragkv.cache_engine.block_hash import (
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
 from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.kv_events import (
+    SALT_DIGEST_KEY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    wire_hash,
+)
 from ragkv.errors import ConfigError
 
 
@@ -84,6 +92,7 @@ class KVCacheManager:
         self._extra = encode_extra_keys(extra_keys)
         self._requests: dict[Hashable, _RequestState] = {}
         self._stats = CacheStats(num_blocks=num_blocks)
+        self._sink: Callable[[KVEvent], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -99,6 +108,15 @@ class KVCacheManager:
     def generations(self) -> list[int]:
         """Per block, bumped whenever its K/V may change (the live list: do not mutate)."""
         return self.pool.generation
+
+    def set_event_sink(self, sink: Callable[[KVEvent], None] | None) -> None:
+        """Call ``sink`` with a KV event (:mod:`~ragkv.cache_engine.kv_events`) for every
+        block the prefix cache registers (``BlockStored``) or drops (``BlockRemoved``), and
+        on a reset (``AllBlocksCleared``); None stops. ``sink`` runs on the stepping thread,
+        so it must not block (``KVEventBuffer.put``). Call it on the stepping thread, or
+        with the engine's lock held."""
+        self._sink = sink
+        self.pool.removed = [] if sink is not None else None
 
     def pin(self, block_ids: list[int]) -> None:
         """Take a reference on blocks a request reads but does not own (a KV source's plan)."""
@@ -224,6 +242,8 @@ class KVCacheManager:
             state.num_cached_blocks = len(computed)
         new_block_ids = self.pool.allocate(num_new_blocks)
         assert new_block_ids is not None  # the free count was checked above
+        if self.pool.removed:  # evicted to make room: said before anything is stored
+            self._emit_removed()
         state.block_ids.extend(new_block_ids)
         state.num_computed_tokens = num_total
         self._cache_full_blocks(request, state, min(num_total, len(request.token_ids)))
@@ -249,6 +269,8 @@ class KVCacheManager:
         for block_id in unwritten:
             if not self.pool.ref_counts[block_id]:
                 self.pool.forget(block_id)
+        if self.pool.removed:
+            self._emit_removed()
 
     def limit_caching(
         self, request: CacheRequest, num_tokens: int | None, scope: bytes | None = None
@@ -292,7 +314,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing dropped) while any request holds blocks."""
-        return self.pool.reset()
+        if not self.pool.reset():
+            return False
+        if self._sink is not None:
+            self._sink(AllBlocksCleared())
+        return True
 
     def _state(self, request: CacheRequest) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -313,23 +339,73 @@ class KVCacheManager:
             return
         hasher = state.hasher
         _catch_up(hasher, request.token_ids)
+        pool, first = self.pool, state.num_cached_blocks
         num_exact = num_full
         if state.cache_limit is not None:
             num_exact = min(num_full, state.cache_limit // self.block_size)
-        for i in range(state.num_cached_blocks, num_exact):
-            if not self.pool.cache(state.block_ids[i], hasher.hashes[i], hasher.inputs[i]):
+        # With a sink: the exact blocks this call registers under a new key (not a private
+        # copy of a block another request registered first). Approximate ones are not told.
+        new = (
+            []
+            if self._sink is None
+            else [h not in pool.cached for h in hasher.hashes[first:num_exact]]
+        )
+        for i in range(first, num_exact):
+            if not pool.cache(state.block_ids[i], hasher.hashes[i], hasher.inputs[i]):
                 state.cacheable = False
-                state.num_cached_blocks = num_full
-                return
-        first = max(num_exact, state.num_cached_blocks)
-        if state.approximate_scope is not None and first < num_full:
-            hashes, keyed = approximate_keys(
-                hasher.inputs[first:num_full], state.approximate_scope, self._one
-            )
-            for offset, (key, data) in enumerate(zip(hashes, keyed, strict=True)):
-                if not self.pool.cache(state.block_ids[first + offset], key, data):
-                    break  # a collision: later approximate blocks stay private
+                del new[i - first :]
+                break
+        else:
+            self._cache_approximate(state, max(num_exact, first), num_full)
         state.num_cached_blocks = num_full
+        if any(new):
+            self._emit_stored(request, hasher.hashes, first, new)
+
+    def _cache_approximate(self, state: _RequestState, first: int, num_full: int) -> None:
+        """Register blocks ``first .. num_full - 1`` (approximate K/V) under approximate keys
+        of the request's scope, if it has one."""
+        if state.approximate_scope is None or first >= num_full:
+            return
+        hasher = state.hasher
+        hashes, keyed = approximate_keys(
+            hasher.inputs[first:num_full], state.approximate_scope, self._one
+        )
+        for offset, (key, data) in enumerate(zip(hashes, keyed, strict=True)):
+            if not self.pool.cache(state.block_ids[first + offset], key, data):
+                break  # a collision: later approximate blocks stay private
+
+    def _emit_stored(
+        self, request: CacheRequest, hashes: list[bytes], first: int, new: list[bool]
+    ) -> None:
+        """One ``BlockStored`` per run of newly registered blocks ``first + i`` (``new[i]``),
+        chained to the block before the run; a salted prompt's block 0 carries the salt's
+        digest in its extra keys."""
+        assert self._sink is not None
+        bs, i = self.block_size, 0
+        while i < len(new):
+            if not new[i]:
+                i += 1
+                continue
+            end = new.index(False, i) if False in new[i:] else len(new)
+            start, stop = first + i, first + end
+            extra: list[object] = [None] * (stop - start)
+            if start == 0 and request.salt_digest is not None:
+                extra[0] = [SALT_DIGEST_KEY, request.salt_digest]
+            event = BlockStored(
+                block_hashes=[wire_hash(h) for h in hashes[start:stop]],
+                parent_block_hash=wire_hash(hashes[start - 1]) if start else None,
+                token_ids=request.token_ids[start * bs : stop * bs],
+                block_size=bs,
+                extra_keys=extra,
+            )
+            self._sink(event)
+            i = end
+
+    def _emit_removed(self) -> None:
+        removed = self.pool.removed
+        assert self._sink is not None and removed is not None
+        self._sink(BlockRemoved([wire_hash(h) for h in removed]))
+        removed.clear()
 
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

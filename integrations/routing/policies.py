@@ -29,12 +29,13 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One replica as a policy sees it: its position, requests in flight, matched blocks and
-    the size of its index (blocks)."""
+    """One replica as a policy sees it: its position, requests in flight, matched blocks (a
+    medium-weighted count when the replica's KV events say where they are) and the size of
+    its index (blocks)."""
 
     position: int
     load: int
-    matched: int = 0
+    matched: float = 0
     size: int = 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from ragkv.cache_engine.engine_like import EngineLike, KnowsPoolSize
 from ragkv.errors import ConfigError
 from ragkv.integrations.routing.prefix_index import PrefixIndex
+from ragkv.integrations.routing.replica_events import ReplicaEvents
 
 # A remote replica does not say how big its pool is: 32k blocks (512k tokens at block size
 # 16) is a mid-size GPU's pool; pass index_blocks= to match yours. ~100 B per entry.
@@ -39,6 +40,14 @@ class ReplicaStats:
     index_blocks: int = 0
     index_capacity: int = 0
     corrections: int = 0
+    # KV events (a replica that publishes them): "off", "synced" (the exact index steers
+    # its routing) or "predicting" (events were lost: the index above does, until a clear).
+    events: str = "off"
+    event_blocks: int = 0  # blocks the exact index holds (any medium)
+    event_batches: int = 0
+    event_replayed: int = 0  # batches recovered by replay after a gap
+    event_gaps: int = 0  # holes replay could not fill
+    event_orphans: int = 0  # stored blocks whose parent the index did not know
 
 
 @dataclass(slots=True)
@@ -67,12 +76,22 @@ class RouterStats:
 class Replica:
     """Router-side state of one replica (guarded by the router's lock)."""
 
-    __slots__ = ("engine", "position", "index", "stats", "down_until", "backoff_s", "probing")
+    __slots__ = (
+        "engine",
+        "position",
+        "index",
+        "events",
+        "stats",
+        "down_until",
+        "backoff_s",
+        "probing",
+    )
 
     def __init__(self, engine: EngineLike, position: int, name: str, capacity: int) -> None:
         self.engine = engine
         self.position = position
         self.index = PrefixIndex(capacity)
+        self.events: ReplicaEvents | None = None  # its KV events, when it publishes them
         self.stats = ReplicaStats(name=name, index_capacity=capacity)
         self.down_until = 0.0  # monotonic time its backoff ends (healthy: unused)
         self.backoff_s = 0.0  # the current backoff; 0 while healthy
@@ -81,6 +100,15 @@ class Replica:
     def snapshot(self) -> ReplicaStats:
         """A copy of the counters, with the index's current size. Caller holds the lock."""
         self.stats.index_blocks = len(self.index)
+        events = self.events
+        if events is not None:
+            s = self.stats
+            s.events = "synced" if events.synced else "predicting"
+            s.event_blocks = len(events.index)
+            s.event_batches = events.batches
+            s.event_replayed = events.replayed
+            s.event_gaps = events.gaps
+            s.event_orphans = events.index.orphans
         return ReplicaStats(**{k: getattr(self.stats, k) for k in self.stats.__slots__})
 
 

@@ -8,13 +8,18 @@ the index is per ``cache_salt``); the policy ranks the healthy replicas and the 
 gets the request (:mod:`.selection`). Failures move the request on (:mod:`.dispatch`) and
 take failing replicas out for a backoff until a probe brings them back (:mod:`.health`);
 :meth:`ReplicaRouter.check_health` probes without waiting for traffic.
+
+With ``kv_events``, each replica that publishes KV events (vLLM's schema: ``ragkv serve
+--kv-events-endpoint``, vLLM's ``--kv-events-config``, or an in-process engine's own) is
+ranked by what its events say it holds (:mod:`.replica_events`, :mod:`.event_index`), and
+by prediction again whenever its events are lost.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from ragkv.cache_engine.engine_like import Closes, ClosesAsync, EngineLike, Prompt
@@ -22,6 +27,7 @@ from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import ConfigError
 from ragkv.integrations.routing.dispatch import Dispatcher
+from ragkv.integrations.routing.event_index import DEFAULT_EVENT_INDEX_BLOCKS
 from ragkv.integrations.routing.health import ReplicaHealth
 from ragkv.integrations.routing.policies import check_policy
 from ragkv.integrations.routing.replica import (
@@ -30,6 +36,7 @@ from ragkv.integrations.routing.replica import (
     RouterStats,
     build_replicas,
 )
+from ragkv.integrations.routing.replica_events import EngineFeed, EventFeed, ReplicaEvents
 from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session_scope
 
 if TYPE_CHECKING:
@@ -50,6 +57,10 @@ class ReplicaRouter:
     default: an in-process engine's pool, else ``DEFAULT_INDEX_BLOCKS``). ``backoff_s`` /
     ``max_backoff_s``: how long a failed replica is skipped (doubling per consecutive
     failure). ``max_attempts``: replicas one request may try (default: all).
+    ``kv_events``: one :class:`~.replica_events.EventFeed` (or None) per replica, or True
+    for every in-process engine's own (:class:`~.replica_events.EngineFeed`); a replica
+    with one is ranked by its events while they are in order (``event_index_blocks``
+    bounds each exact index). :meth:`from_urls` builds ZMQ feeds.
 
     ``knows_residency`` is False: :meth:`cached_prefix_length` answers from the router's
     index (a prediction, not an observation of any replica's cache).
@@ -71,6 +82,8 @@ class ReplicaRouter:
         max_attempts: int | None = None,
         health_timeout_s: float = 2.0,
         max_sessions: int = MAX_SESSIONS,
+        kv_events: bool | Sequence[EventFeed | None] | None = None,
+        event_index_blocks: int = DEFAULT_EVENT_INDEX_BLOCKS,
     ) -> None:
         if not replicas:
             raise ConfigError("ReplicaRouter needs at least one replica")
@@ -98,6 +111,7 @@ class ReplicaRouter:
         self._replicas = build_replicas(replicas, names, index_blocks)
         lock = threading.Lock()
         self._lock = lock
+        self._follow_events(kv_events, event_index_blocks)
         self._selector = Selector(
             self._replicas,
             lock,
@@ -130,6 +144,8 @@ class ReplicaRouter:
         cache_salt: str | None = None,
         timeout_s: float = 120.0,
         send_token_ids: bool = True,
+        kv_events: Mapping[str, str | tuple[str, str | None]] | None = None,
+        kv_events_topic: str = "",
         **router_options: Any,
     ) -> ReplicaRouter:
         """A router over servers: one :class:`~ragkv.integrations.openai.RemoteEngine` per
@@ -142,6 +158,12 @@ class ReplicaRouter:
         RemoteEngine's. The replicas do not retry (``max_retries=0``): the router retries
         across replicas. ``router_options`` go to :class:`ReplicaRouter`
         (``balance_threshold``, ``index_blocks``, ``backoff_s``, ...).
+
+        ``kv_events`` maps a URL to its server's KV event publisher: its PUB endpoint, or
+        ``(endpoint, replay_endpoint)`` (``ragkv serve --kv-events-endpoint`` /
+        ``--kv-events-replay-endpoint``, vLLM's ``--kv-events-config`` ``endpoint`` /
+        ``replay_endpoint``, with ``*`` replaced by the server's host), all on
+        ``kv_events_topic``. Needs ``pip install 'ragkv[events]'``.
         """
         from ragkv.cache_engine.config import DEFAULTS
         from ragkv.integrations.openai.client import RemoteEngine
@@ -162,7 +184,22 @@ class ReplicaRouter:
             )
             for url in urls
         ]
-        return cls(replicas, policy=routing, names=list(urls), **router_options)
+        feeds: list[Any] | None = None  # ZmqFeed or None per replica
+        if kv_events:
+            from ragkv.integrations.kv_events.subscriber import ZmqFeed
+
+            unknown = set(kv_events) - set(urls)
+            if unknown:
+                raise ConfigError(f"kv_events names URLs that are not replicas: {sorted(unknown)}")
+            feeds = []
+            for url in urls:
+                spec = kv_events.get(url)
+                if spec is None:
+                    feeds.append(None)
+                    continue
+                endpoint, replay = (spec, None) if isinstance(spec, str) else spec
+                feeds.append(ZmqFeed(endpoint, replay_endpoint=replay, topic=kv_events_topic))
+        return cls(replicas, policy=routing, names=list(urls), kv_events=feeds, **router_options)
 
     # -- the Engine surface (EngineLike) ------------------------------------------------------
     @property
@@ -265,11 +302,13 @@ class ReplicaRouter:
             return [r.stats.healthy for r in self._replicas]
 
     def close(self) -> None:
+        self._stop_events()
         for r in self._replicas:
             if isinstance(r.engine, Closes):
                 r.engine.close()
 
     async def aclose(self) -> None:
+        self._stop_events()
         for r in self._replicas:
             if isinstance(r.engine, ClosesAsync):
                 await r.engine.aclose()
@@ -287,6 +326,38 @@ class ReplicaRouter:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def _follow_events(
+        self, kv_events: bool | Sequence[EventFeed | None] | None, capacity: int
+    ) -> None:
+        """Start following each replica's feed (``True``: every in-process engine's own)."""
+        if not kv_events:
+            return
+        if kv_events is True:
+            feeds: list[EventFeed | None] = [
+                EngineFeed(r.engine) if hasattr(r.engine, "kv_events") else None
+                for r in self._replicas
+            ]
+        else:
+            feeds = list(kv_events)
+            if len(feeds) != len(self._replicas):
+                raise ConfigError("pass one kv_events feed (or None) per replica")
+        for replica, feed in zip(self._replicas, feeds, strict=True):
+            if feed is None:
+                continue
+            replica.events = ReplicaEvents(
+                feed,
+                self.block_size,
+                self._lock,
+                name=replica.stats.name,
+                capacity=capacity,
+            )
+            replica.events.start()
+
+    def _stop_events(self) -> None:
+        for r in self._replicas:
+            if r.events is not None:
+                r.events.close()
 
     def _generate_one(
         self,

@@ -6,6 +6,12 @@ The chosen replica's :class:`~.prefix_index.PrefixIndex` records the prompt's bl
 (tentative, so a burst on one prefix follows the first request), and again when the answer
 comes back (confirmed); an answer whose ``usage.cached_tokens`` is below the prediction
 corrects the index.
+
+A replica whose KV events are synced (:mod:`.replica_events`) is ranked by its exact
+:class:`~.event_index.EventIndex` instead, scored by medium (a host or disk block is worth
+less than a pool block); the prompt's blocks it does not hold yet are *expected* there until
+an event stores them (the burst rule, by events), and settle shortly after the answer. Its
+prediction index is kept up all the same: it is the fallback if events are lost.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import contextvars
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +34,11 @@ from ragkv.integrations.routing.policies import Candidate, rank
 from ragkv.integrations.routing.replica import Replica
 
 MAX_SESSIONS = 10_000
+# How long blocks sent to a replica count as held before its events store them: a request
+# may wait in the replica's queue before its prefill is scheduled (and its blocks stored);
+# once it answered, its events are at most a publish interval behind.
+EXPECT_S = 30.0
+SETTLE_S = 1.0
 
 _session: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "ragkv_router_session", default=None
@@ -109,12 +121,14 @@ class Selector:
     def choose(self, route: Route) -> Replica | None:
         """The best healthy replica not yet tried, its in-flight count and tentative index
         updated; None when no replica is left."""
+        now = time.monotonic()
         with self.lock:
-            candidates = [
-                Candidate(r.position, r.stats.in_flight, r.index.match(route.hashes), len(r.index))
-                for r in self.replicas
-                if r.position not in route.tried and r.stats.healthy
-            ]
+            candidates = []
+            for r in self.replicas:
+                if r.position in route.tried or not r.stats.healthy:
+                    continue
+                _, score, size = _match(r, route.hashes, now)
+                candidates.append(Candidate(r.position, r.stats.in_flight, score, size))
             session = self.sessions.get(route.session) if route.session else None
             order = rank(
                 self.policy,
@@ -131,10 +145,12 @@ class Selector:
             self._turn += 1
             replica = self.replicas[order[0]]
             route.tried.add(replica.position)
-            route.predicted = min(replica.index.match(route.hashes), route.max_blocks)
+            route.predicted = min(_match(replica, route.hashes, now)[0], route.max_blocks)
             replica.stats.requests += 1
             replica.stats.in_flight += 1
             replica.index.insert(route.hashes, confirmed=False)
+            if replica.events is not None:
+                replica.events.index.expect(route.hashes, now + EXPECT_S, now)
             return replica
 
     def learn(self, replica: Replica, route: Route, output: Output) -> None:
@@ -151,6 +167,8 @@ class Selector:
                 s.corrections += 1
                 replica.index.correct(route.hashes, cached // bs, predicted)
         replica.index.insert(route.hashes, confirmed=True)
+        if replica.events is not None:
+            replica.events.index.settle(route.hashes, time.monotonic() + SETTLE_S)
         if route.session is not None:
             self.sessions[route.session] = replica.position
             self.sessions.move_to_end(route.session)
@@ -160,12 +178,24 @@ class Selector:
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
         """The longest prefix of ``token_ids`` the index believes a healthy replica holds."""
         route = self.route(token_ids, cache_salt, None)
+        now = time.monotonic()
         with self.lock:
             best = max(
-                (r.index.match(route.hashes) for r in self.replicas if r.stats.healthy),
+                (_match(r, route.hashes, now)[0] for r in self.replicas if r.stats.healthy),
                 default=0,
             )
         return min(best, route.max_blocks) * self.block_size
+
+
+def _match(replica: Replica, hashes: list[bytes], now: float) -> tuple[int, float, int]:
+    """``(blocks, score, index size)`` of ``replica`` for a prompt's ``hashes``: from its
+    exact event index while synced, else from its prediction index. Caller holds the lock."""
+    events = replica.events
+    if events is not None and events.synced:
+        blocks, score = events.index.match(hashes, now)
+        return blocks, score, len(events.index)
+    blocks = replica.index.match(hashes)
+    return blocks, float(blocks), len(replica.index)
 
 
 def _default_salt(engine: Any) -> str | None:

@@ -128,7 +128,8 @@ def add_parser(subparsers: Any) -> None:
     r.add_argument(
         "--routing",
         default="round-robin,least-loaded,prefix",
-        help="comma-separated routing policies for --replicas",
+        help="comma-separated routing policies for --replicas (prefix-events: prefix "
+        "routing on the replicas' KV events)",
     )
     r.add_argument(
         "--balance-threshold",

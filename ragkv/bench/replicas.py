@@ -39,9 +39,22 @@ from ragkv.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 REFERENCE = "1x whole pool"
+# Prefix routing on the replicas' KV events (the router's `prefix` policy, ranked by what
+# each engine's events say it holds instead of a prediction).
+EVENTS = "prefix-events"
 # The issue's targets for the prefix lane: cached tokens vs round-robin (at least) and vs
-# one replica holding the whole pool (at least), request imbalance (at most).
-TARGETS = {"prefix_vs_round_robin": 1.5, "prefix_vs_whole_pool": 0.85, "imbalance": 1.5}
+# one replica holding the whole pool (at least), request imbalance (at most); for the events
+# lane (issue 29): vs the whole pool (at least), imbalance and |predicted - reported| cached
+# tokens over reported (at most).
+TARGETS = {
+    "prefix_vs_round_robin": 1.5,
+    "prefix_vs_whole_pool": 0.85,
+    "imbalance": 1.5,
+    "events_vs_whole_pool": 0.95,
+    "events_imbalance": 1.5,
+    "events_prediction_error": 0.02,
+}
+AT_MOST = ("imbalance", "events_imbalance", "events_prediction_error")
 
 
 class RouterLane:
@@ -90,9 +103,10 @@ def routing_lanes(policies: Sequence[str], replicas: int) -> list[str]:
     """Lane names: the whole-pool reference, then one per policy."""
     from ragkv.integrations.routing import POLICIES
 
-    unknown = [p for p in policies if p not in POLICIES]
+    known = (*POLICIES, EVENTS)
+    unknown = [p for p in policies if p not in known]
     if unknown or not policies:
-        raise ConfigError(f"unknown routing policy {unknown}; choose from {', '.join(POLICIES)}")
+        raise ConfigError(f"unknown routing policy {unknown}; choose from {', '.join(known)}")
     if replicas < 2:
         raise ConfigError(f"--replicas must be >= 2, got {replicas}")
     return [REFERENCE] + [f"{p} x{replicas}" for p in policies]
@@ -148,9 +162,10 @@ def run_replica_bench(
         model_name[0] = engines[0].model_name
         router = ReplicaRouter(
             engines,
-            policy=policy,
+            policy="prefix" if policy == EVENTS else policy,
             balance_threshold=balance_threshold,
             names=[f"replica-{i}" for i in range(len(engines))],
+            kv_events=policy == EVENTS,  # each engine's own events, in process
         )
         return RouterLane(router, engines)
 
@@ -207,24 +222,41 @@ def replica_summary(result: LaneResult) -> dict[str, Any]:
         predicted_cached_tokens=sum(r.predicted_cached_tokens for r in router.replicas),
         reported_cached_tokens=sum(r.reported_cached_tokens for r in router.replicas),
     )
+    if any(r.events != "off" for r in router.replicas):
+        summary.update(
+            events=[r.events for r in router.replicas],
+            event_gaps=sum(r.event_gaps for r in router.replicas),
+            event_orphans=sum(r.event_orphans for r in router.replicas),
+        )
     return summary
 
 
 def routing_ratios(lanes: dict[str, dict[str, Any]], replicas: int) -> dict[str, Any]:
     """Cached tokens of the prefix lane vs round-robin and vs the whole pool; its imbalance."""
     out: dict[str, Any] = {}
+    whole = lanes.get(REFERENCE)
     prefix = lanes.get(f"prefix x{replicas}")
-    if prefix is None:
+    if prefix is not None:
+        for key, base in (
+            ("prefix_vs_round_robin", lanes.get(f"round-robin x{replicas}")),
+            ("prefix_vs_whole_pool", whole),
+        ):
+            if base is not None and base["cached_tokens"]:
+                out[key] = prefix["cached_tokens"] / base["cached_tokens"]
+        out["imbalance"] = prefix["imbalance"]
+    events = lanes.get(f"{EVENTS} x{replicas}")
+    if events is not None:
+        if whole is not None and whole["cached_tokens"]:
+            out["events_vs_whole_pool"] = events["cached_tokens"] / whole["cached_tokens"]
+        out["events_imbalance"] = events["imbalance"]
+        reported = events["reported_cached_tokens"]
+        if reported:
+            error = abs(events["predicted_cached_tokens"] - reported) / reported
+            out["events_prediction_error"] = error
+    if not out:
         return out
-    for key, base in (
-        ("prefix_vs_round_robin", lanes.get(f"round-robin x{replicas}")),
-        ("prefix_vs_whole_pool", lanes.get(REFERENCE)),
-    ):
-        if base is not None and base["cached_tokens"]:
-            out[key] = prefix["cached_tokens"] / base["cached_tokens"]
-    out["imbalance"] = prefix["imbalance"]
     out["targets_met"] = {
-        key: (out[key] <= limit if key == "imbalance" else out[key] >= limit)
+        key: (out[key] <= limit if key in AT_MOST else out[key] >= limit)
         for key, limit in TARGETS.items()
         if key in out
     }

@@ -85,3 +85,26 @@ def test_interleaved_documents_defeat_round_robin_not_prefix(tiny_model, tmp_pat
 def test_unknown_policy_is_a_clear_error(tiny_model, capsys):
     assert main(_cli(tiny_model, "--routing", "random")) == 1
     assert "random" in capsys.readouterr().err
+
+
+def test_prefix_events_lane_routes_on_the_engines_events(tiny_model, tmp_path):
+    trace, lengths, out = tmp_path / "t.jsonl", tmp_path / "l.json", tmp_path / "r.json"
+    order = ["d0", "d0", "d1", "d1", "d2", "d0", "d1", "d2"]
+    lines = [
+        {"session_id": f"s{i}", "system": ["sys"], "passages": [d], "user": [f"q{i}"]}
+        for i, d in enumerate(order)
+    ]
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    table = {"sys": 16, "d0": 96, "d1": 96, "d2": 96, **{f"q{i}": 5 for i in range(8)}}
+    lengths.write_text(json.dumps(table))
+    args = _cli(tiny_model, "--workload", "trace", "--trace", str(trace), "--lengths",
+                str(lengths), "--routing", "prefix,prefix-events", "--concurrency", "1",
+                "--kv-cache-tokens", "1536", "--json", str(out))  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    events = report["lanes"]["prefix-events x3"]
+    assert events["events"] == ["synced"] * 3 and events["event_gaps"] == 0
+    assert events["cached_tokens"] >= report["lanes"]["prefix x3"]["cached_tokens"]
+    assert {"events_vs_whole_pool", "events_imbalance", "events_prediction_error"} <= set(
+        report["ratios"]["targets_met"]
+    )

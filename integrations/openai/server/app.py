@@ -314,7 +314,10 @@ async def _parse(
         parsed = _decode(raw, parse, served.limits)
     _check_model(parsed, served)
     parsed.tenant = tenant
-    parsed.cache_salt = auth.tenant_salt(tenant, parsed.cache_salt, served.tenant_secret)
+    client_salt = parsed.cache_salt
+    parsed.cache_salt = auth.tenant_salt(tenant, client_salt, served.tenant_secret)
+    if served.salt_views is not None:  # KV events name blocks by the client's salt
+        served.salt_views.note(parsed.cache_salt, client_salt)
     return parsed
 
 

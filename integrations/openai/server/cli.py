@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 
 from ragkv.cache_engine.engine_flags import add_engine_flags, engine_config_from_args
 from ragkv.cache_engine.engine_like import Closes
+from ragkv.cache_engine.kv_events import DEFAULT_MAX_EVENTS
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import ConfigError, MissingDependencyError
+from ragkv.integrations.kv_events.publisher import DEFAULT_TOPIC
 from ragkv.integrations.openai.limits import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
@@ -148,6 +150,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="new tokens a chat request that sets no max_tokens may generate (default "
         f"{DEFAULT_MAX_TOKENS}; a request may ask for more, up to the context)",
     )
+    events = parser.add_argument_group(
+        "KV events",
+        "publish the KV cache's events in vLLM's format (ZMQ + msgpack; pip install "
+        "'ragkv[events]') for a cache-aware router: BlockStored / BlockRemoved of the KV "
+        'pool, medium "GPU" whatever its device (the KV tiers are not published yet; their '
+        'names will be "CPU" and "DISK"); AllBlocksCleared at start and on reset. They '
+        "carry prompts' token ids: bind loopback or a private network",
+    )
+    events.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="PUB socket to bind, e.g. tcp://127.0.0.1:5557 (off by default)",
+    )
+    events.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="ROUTER socket answering replay requests, e.g. tcp://127.0.0.1:5558",
+    )
+    events.add_argument("--kv-events-topic", default=DEFAULT_TOPIC, help="topic frame")
+    events.add_argument(
+        "--kv-events-buffer",
+        type=int,
+        default=DEFAULT_MAX_EVENTS,
+        help="events held for the publisher before new ones are dropped (and subscribers "
+        f"told of a gap); default {DEFAULT_MAX_EVENTS}",
+    )
     parser.add_argument(
         "--no-access-log",
         dest="access_log",
@@ -183,7 +213,20 @@ def run(args: argparse.Namespace) -> int:
         max_messages=args.max_messages,
     )
     config = engine_config_from_args(args)  # validated here, before the model loads
+    if args.kv_events_endpoint is None and args.kv_events_replay_endpoint is not None:
+        raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     engine = Engine(config)
+    publisher = None
+    if args.kv_events_endpoint is not None:
+        from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
+
+        publisher = KVEventPublisher(
+            engine.kv_events(args.kv_events_buffer),
+            args.kv_events_endpoint,
+            replay_endpoint=args.kv_events_replay_endpoint,
+            topic=args.kv_events_topic,
+            salt_views=SaltViews(),
+        ).start()
     with engine:
         app = create_app(
             engine,
@@ -200,18 +243,21 @@ def run(args: argparse.Namespace) -> int:
             max_requests=args.max_requests,
             work_threads=args.work_threads,
         )
+        if publisher is not None:
+            app.state.ragkv.salt_views = publisher.salt_views
         if args.access_log:
             show_access_log()
-        close_on_shutdown(app, engine)
+        close_on_shutdown(app, engine, publisher)
         print(f"ragkv serve: {engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
     return 0
 
 
-def close_on_shutdown(app: FastAPI, engine: Closes) -> None:
-    """Close ``engine`` (KV tiers write back) when the server shuts down, before uvicorn
-    re-raises the signal that stopped it: a re-raised SIGTERM ends the process at once, so
-    closing after ``uvicorn.run`` returned would never run."""
+def close_on_shutdown(app: FastAPI, engine: Closes, publisher: Closes | None = None) -> None:
+    """Close ``engine`` (KV tiers write back), then the KV event ``publisher``, when the
+    server shuts down, before uvicorn re-raises the signal that stopped it: a re-raised
+    SIGTERM ends the process at once, so closing after ``uvicorn.run`` returned would never
+    run."""
     import asyncio
     from contextlib import asynccontextmanager
 
@@ -219,6 +265,8 @@ def close_on_shutdown(app: FastAPI, engine: Closes) -> None:
     async def lifespan(_app: object) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(engine.close)
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
     app.router.lifespan_context = lifespan
 

@@ -32,6 +32,8 @@ class Served:
     max_requests_per_tenant: int = 64
     max_requests: int = 256
     in_flight: dict[str, int] = dataclasses.field(default_factory=dict)
+    # With KV events on: notes each request's engine salt against its client's (SaltViews).
+    salt_views: Any = None
     # Decoding, tokenizing and assembling, round-robin by tenant (fair_work.py).
     workers: FairWorkers = dataclasses.field(
         default_factory=lambda: FairWorkers(max_per_tenant=64, max_total=256)

@@ -1,0 +1,124 @@
+"""KV events over ZMQ on loopback: ragkv's publisher, its replay socket, the router's feed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+
+from ragkv.cache_engine.block_hash import BlockHasher  # noqa: E402
+from ragkv.cache_engine.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBuffer,
+)
+from ragkv.integrations.kv_events.publisher import KVEventPublisher  # noqa: E402
+from ragkv.integrations.kv_events.subscriber import ZmqFeed  # noqa: E402
+from ragkv.integrations.routing.replica_events import ReplicaEvents  # noqa: E402
+
+BS = 4
+
+
+def _stored(i: int) -> BlockStored:
+    return BlockStored([i], None, list(range(i, i + BS)), BS, extra_keys=[None])
+
+
+def _held(events: ReplicaEvents, i: int) -> bool:
+    return events.index.match(BlockHasher(BS).extend(list(range(i, i + BS))))[0] == 1
+
+
+@pytest.fixture
+def publisher():
+    buffer = KVEventBuffer(max_events=64)
+    pub = KVEventPublisher(
+        buffer, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv@test"
+    )
+    yield pub.serve_replay()
+    pub.close()
+
+
+def _next(feed: ZmqFeed, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        message = feed.next(0.05)
+        if message is not None:
+            return message
+    raise AssertionError("no KV event message arrived")
+
+
+def test_a_late_subscriber_is_brought_up_to_date_by_replay(publisher):
+    publisher.buffer.put(AllBlocksCleared())
+    publisher.buffer.put(_stored(1))
+    publisher.publish_pending()  # seq 0, before anyone listens
+    feed = ZmqFeed(publisher.endpoint, replay_endpoint=publisher.replay_address, topic="kv@test")
+    try:
+        events = ReplicaEvents(feed, BS, threading.Lock())
+        deadline = time.monotonic() + 5
+        seq = None
+        while seq is None:  # the SUB socket joins some time after connect: publish until it has
+            assert time.monotonic() < deadline
+            publisher.buffer.put(_stored(10 + publisher.published))
+            publisher.publish_pending()
+            message = feed.next(0.05)
+            if message is not None:
+                seq, batch = message
+        events.receive(seq, batch)
+        assert events.synced and events.replayed == seq
+        assert _held(events, 1) and all(_held(events, 10 + s) for s in range(1, seq + 1))
+        assert feed.replay(10**6) == []  # nothing kept from there: just the end marker
+    finally:
+        feed.close()
+
+
+def test_events_the_engine_dropped_leave_a_hole_no_replay_fills(publisher):
+    feed = ZmqFeed(publisher.endpoint, replay_endpoint=publisher.replay_address, topic="kv@test")
+    try:
+        events = ReplicaEvents(feed, BS, threading.Lock())
+        publisher.buffer.put(AllBlocksCleared())
+        publisher.publish_pending()
+        first, batch = _next_published(publisher, feed)
+        events.receive(first, batch)
+        assert events.synced
+        for i in range(100):  # past the buffer's 64: dropped and counted
+            publisher.buffer.put(_stored(i))
+        publisher.publish_pending()
+        assert publisher.skipped == 1 and publisher.buffer.dropped == 36
+        seq, batch = _next(feed)
+        assert seq == first + 2  # one number skipped for the dropped events
+        events.receive(seq, batch)
+        assert not events.synced and events.gaps == 1
+    finally:
+        feed.close()
+
+
+def _next_published(publisher, feed):
+    """The first message the feed gets (re-publishing a clear until the SUB has joined)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        message = feed.next(0.05)
+        if message is not None:
+            return message
+        publisher.buffer.put(AllBlocksCleared())
+        publisher.publish_pending()
+    raise AssertionError("the subscriber never joined")
+
+
+def test_publisher_thread_publishes_what_the_engine_buffers(publisher):
+    feed = ZmqFeed(publisher.endpoint, topic="kv@test")
+    try:
+        publisher._spawn(publisher._publish_loop)
+        deadline = time.monotonic() + 5
+        while True:
+            publisher.buffer.put(_stored(3))
+            message = feed.next(0.1)
+            if message is not None:
+                break
+            assert time.monotonic() < deadline
+        seq, batch = message
+        assert batch is not None and batch.events[0] == _stored(3)
+    finally:
+        feed.close()
