@@ -117,6 +117,7 @@ class RequestRecord:
     chunks_in: int
     chunks_out: int
     reused_nonprefix_tokens: int = 0
+    reused_approximate_prefix_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -221,6 +222,7 @@ def run_blend_lane(
                 ttft_s=prep + t.ttft_s,
                 e2e_s=prep + t.total_s,
                 reused_nonprefix_tokens=output.usage.reused_nonprefix_tokens,
+                reused_approximate_prefix_tokens=output.usage.reused_approximate_prefix_tokens,
             )
         )
     return LaneResult(spec, records, run.stats, run.wall_s, run.load_s, run.kv_tokens)
@@ -363,6 +365,7 @@ def _record(spec: LaneSpec, pipeline: Any, request: RequestSpec, answer: Any) ->
         chunks_in=answer.dedup.chunks_in,
         chunks_out=answer.dedup.chunks_out,
         reused_nonprefix_tokens=usage.reused_nonprefix_tokens,
+        reused_approximate_prefix_tokens=usage.reused_approximate_prefix_tokens,
     )
 
 

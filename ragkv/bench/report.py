@@ -52,6 +52,9 @@ def lane_summary(result: LaneResult) -> dict[str, Any]:
         "prefill_tokens_computed": stats.prefill_tokens_computed,
         "cached_tokens": cached,
         "reused_nonprefix_tokens": sum(r.reused_nonprefix_tokens for r in records),
+        "reused_approximate_prefix_tokens": sum(
+            r.reused_approximate_prefix_tokens for r in records
+        ),
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),

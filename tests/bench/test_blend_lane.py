@@ -31,10 +31,16 @@ def test_blend_lane_replays_ragkv_prompts_and_accounts_for_every_token(bench):
     blended = lanes[BLEND_LANE]
     assert blended["reused_nonprefix_tokens"] > 0
     assert lanes["ragkv"]["reused_nonprefix_tokens"] == 0
-    # Every prompt token is cached (exact prefix), copied (chunk reuse) or computed.
+    # Every prompt token is cached (exact prefix), copied (chunk reuse), shared from an
+    # earlier blended request's approximate blocks, or computed.
     assert blended["preemptions"] == 0
+    assert blended["reused_approximate_prefix_tokens"] > 0  # the follow-ups
+    assert lanes["ragkv"]["reused_approximate_prefix_tokens"] == 0
     assert blended["prefill_tokens_computed"] == (
-        blended["prompt_tokens"] - blended["cached_tokens"] - blended["reused_nonprefix_tokens"]
+        blended["prompt_tokens"]
+        - blended["cached_tokens"]
+        - blended["reused_nonprefix_tokens"]
+        - blended["reused_approximate_prefix_tokens"]
     )
     ratios = report["ratios"]
     assert ratios["prefill_blend_vs_ragkv"] == (
