@@ -15,8 +15,9 @@ chunks, and no more prompts' token ids than are in flight) and per window:
    depth-first, so those sharing a prefix run one after another while it is in the pool;
 3. runs them in that order with at most ``max_in_flight`` in the engine: an item waits for
    the prefill of the item before it in its subtree (run in one step, both would compute
-   the shared prefix), and a session's turns that take their history from the batch run
-   in order (a failed turn skips the ones after it);
+   the shared prefix) and no later item passes it (:func:`gather_in_order` says why), and
+   a session's turns that take their history from the batch run in order (a failed turn
+   skips the ones after it);
 4. assembles each item just before it is submitted (residency then is current: the tree
    walk over orders already sent stays a candidate) and returns answers in the caller's
    order.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import itertools
 from collections.abc import (
     AsyncIterator,
@@ -156,56 +158,147 @@ class TurnSkippedError(RagkvError):
 
 
 async def gather_in_order(
-    jobs: Sequence[Callable[[], Awaitable[Any]]],
+    jobs: Sequence[Callable[[Callable[[], None]], Awaitable[Any]]],
     order: Sequence[int],
     sessions: Sequence[Hashable | None],
     limit: int,
     *,
     fail_fast: bool,
-    waits: Mapping[int, asyncio.Event] | None = None,
+    leaders: Mapping[int, int] | None = None,
 ) -> list[Any]:
-    """Run ``jobs[i]()`` in ``order``, at most ``limit`` at once, each session's jobs one
-    after another; results by index. A job's exception is its result, unless ``fail_fast``:
-    then the first one cancels the rest and is raised. Job ``i`` with ``waits[i]`` waits for
-    that event (set by a job earlier in ``order``) before it takes a slot."""
-    waits = waits or {}
-    slots = asyncio.Semaphore(limit)
-    results: list[Any] = [None] * len(jobs)
-    last: dict[Hashable, tuple[int, asyncio.Task[Any]]] = {}
+    """Run ``jobs[i](prefilled)`` in ``order``, at most ``limit`` at once; results by index.
 
-    async def one(i: int, after: tuple[int, asyncio.Task[Any]] | None) -> None:
-        if after is not None:
-            await asyncio.wait([after[1]])
-            if isinstance(results[after[0]], BaseException):
-                results[i] = TurnSkippedError(
-                    f"not run: the turn before it (item {after[0]}) failed: {results[after[0]]}"
-                )
-                return
-        if i in waits:
-            await waits[i].wait()
-        async with slots:
-            try:
-                results[i] = await jobs[i]()
-            except Exception as exc:
-                if fail_fast:
-                    raise
-                results[i] = exc  # one item's failure is that item's result
+    Job ``i`` starts once the job before it in its session has finished and, if
+    ``leaders[i]`` names one, once that job has called its ``prefilled()`` (or finished);
+    and never before a job ahead of it in ``order``, except one waiting for its session's
+    previous turn (that wait is a whole answer long). A job's exception is its result (the
+    session's later turns are skipped with :class:`TurnSkippedError`), unless ``fail_fast``:
+    then the first one cancels the rest and is raised.
 
-    tasks = []
-    for i in order:
-        session = sessions[i]
-        task = asyncio.ensure_future(one(i, last.get(session) if session is not None else None))
-        if session is not None:
-            last[session] = (i, task)
-        tasks.append(task)
+    Why nothing passes a job waiting for its leader: the jobs after it belong to other
+    subtrees of the plan. Started early, they fill the pool with their prefixes while the
+    waiting job's subtree still needs its own, and their leaders' prefixes wait, unpinned,
+    until the earlier subtrees are done: an LRU pool evicts them first. In the plan's order
+    only one subtree prefills at a time (its finished jobs' blocks are the newest), and the
+    ``limit`` jobs in flight are mostly decoding.
+    """
+    run = _Dispatch(jobs, order, sessions, limit, fail_fast, leaders or {})
+    run.dispatch()
     try:
-        await asyncio.gather(*tasks)
+        if order:
+            await run.finished
     except BaseException:
-        for task in tasks:
+        run.closed = True
+        for task in list(run.tasks):
             task.cancel()  # cancelling aborts the request in the engine
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*run.tasks, return_exceptions=True)
         raise
-    return results
+    return run.results
+
+
+class _Dispatch:
+    """The state of :func:`gather_in_order`: which jobs may start, and the free slots.
+
+    ``head`` is the first position of ``order`` not started and not waiting for its
+    session's previous turn; ``ready`` holds (as a heap) the positions of jobs whose
+    dependencies are met. A slot goes to ``ready[0]`` only when it is ``head``."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Callable[[Callable[[], None]], Awaitable[Any]]],
+        order: Sequence[int],
+        sessions: Sequence[Hashable | None],
+        limit: int,
+        fail_fast: bool,
+        leaders: Mapping[int, int],
+    ) -> None:
+        self.jobs, self.order, self.fail_fast = jobs, order, fail_fast
+        self.position = {i: p for p, i in enumerate(order)}
+        self.results: list[Any] = [None] * len(jobs)
+        self.blockers = dict.fromkeys(order, 0)  # unmet dependencies per job
+        self.followers: dict[int, list[int]] = {}  # leader -> jobs waiting for its prefill
+        self.next_turn: dict[int, int] = {}  # a session's turn -> the turn after it
+        self.turn_pending: set[int] = set()  # positions waiting for their previous turn
+        last_turn: dict[Hashable, int] = {}
+        for i in order:
+            if i in leaders:
+                self.blockers[i] += 1
+                self.followers.setdefault(leaders[i], []).append(i)
+            session = sessions[i]
+            if session is not None:
+                if session in last_turn:
+                    self.next_turn[last_turn[session]] = i
+                    self.blockers[i] += 1
+                    self.turn_pending.add(self.position[i])
+                last_turn[session] = i
+        self.ready = [self.position[i] for i in order if not self.blockers[i]]
+        heapq.heapify(self.ready)
+        self.begun = [False] * len(order)
+        self.head = 0
+        self.free = limit
+        self.left = len(order)
+        self.closed = False
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def dispatch(self) -> None:
+        while self.free and self.ready and not self.closed:
+            self._advance()
+            if self.ready[0] != self.head:
+                return  # the job at the head waits for its leader's prefill
+            position = heapq.heappop(self.ready)
+            self.begun[position] = True
+            self.free -= 1
+            task = asyncio.ensure_future(self._run(self.order[position]))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def _advance(self) -> None:
+        n = len(self.order)
+        while self.head < n and (self.begun[self.head] or self.head in self.turn_pending):
+            self.head += 1
+
+    async def _run(self, i: int) -> None:
+        try:
+            self.results[i] = await self.jobs[i](functools.partial(self._prefilled, i))
+        except Exception as exc:
+            if self.fail_fast:
+                if not self.finished.done():
+                    self.finished.set_exception(exc)
+                return
+            self.results[i] = exc  # one item's failure is that item's result
+        finally:
+            self.free += 1
+            self._settle(i)
+            self.dispatch()
+
+    def _unblock(self, i: int) -> None:
+        self.blockers[i] -= 1
+        if not self.blockers[i]:
+            heapq.heappush(self.ready, self.position[i])
+
+    def _prefilled(self, i: int) -> None:
+        for follower in self.followers.pop(i, ()):
+            self._unblock(follower)
+
+    def _settle(self, i: int) -> None:
+        self._prefilled(i)  # failed or cancelled: nobody waits for its prefill
+        self.left -= 1
+        after = self.next_turn.get(i)
+        if after is not None:
+            position = self.position[after]
+            self.turn_pending.discard(position)
+            if isinstance(self.results[i], BaseException):
+                self.results[after] = TurnSkippedError(
+                    f"not run: the turn before it (item {i}) failed: {self.results[i]}"
+                )
+                self.begun[position] = True
+                self._settle(after)
+            else:
+                self.head = min(self.head, position)
+                self._unblock(after)
+        if not self.left and not self.finished.done():
+            self.finished.set_result(None)
 
 
 async def answer_window(
@@ -231,9 +324,8 @@ async def answer_window(
     order = keep_turn_order(order, sessions)
     leaders = prefix_leaders(order, ranks, heads)
     del keys
-    prefilled = [asyncio.Event() for _ in window]
 
-    async def job(i: int) -> Any:
+    async def job(i: int, prefilled: Callable[[], None]) -> Any:
         item = window[i]
         history = item.history
         if history is None and item.session is not None:
@@ -243,14 +335,9 @@ async def answer_window(
             cache_salt=item.cache_salt, params=params, chunk_order=ranks[i], learn=False,
         )  # fmt: skip
         answer = None
-        try:
-            async for delta in pipeline.astream_prepared(
-                prepared, params, cache_salt=item.cache_salt
-            ):
-                prefilled[i].set()
-                answer = delta.answer or answer
-        finally:
-            prefilled[i].set()  # failed or cancelled: nobody waits for it
+        async for delta in pipeline.astream_prepared(prepared, params, cache_salt=item.cache_salt):
+            prefilled()
+            answer = delta.answer or answer
         if item.session is not None:
             assert answer is not None  # the stream's last delta carries the answer
             turns.setdefault(item.session, []).extend(
@@ -262,8 +349,7 @@ async def answer_window(
         return answer
 
     jobs = [functools.partial(job, i) for i in range(len(window))]
-    waits = {i: prefilled[leader] for i, leader in leaders.items()}
-    return await gather_in_order(jobs, order, sessions, limit, fail_fast=fail_fast, waits=waits)
+    return await gather_in_order(jobs, order, sessions, limit, fail_fast=fail_fast, leaders=leaders)
 
 
 def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[DedupResult]:

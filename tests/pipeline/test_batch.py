@@ -11,7 +11,7 @@ import pytest
 from support import save_tiny_checkpoint, training_text
 
 import ragkv
-from ragkv.batch import BatchItem, windows
+from ragkv.batch import BatchItem, gather_in_order, windows
 from ragkv.batch_plan import keep_turn_order, plan_window, prefix_leaders
 from ragkv.bench.simulated import SimulatedEngine
 from ragkv.cache_engine import Engine, SamplingParams
@@ -243,3 +243,35 @@ def test_a_bad_item_in_a_list_is_refused_before_any_item_runs(engine, passages):
     assert engine.stats().requests_finished == finished  # the first window never ran
     with pytest.raises(InvalidInputError, match="window"):
         pipe.stream_batch(items[:3], window=0)  # at the call, not at the first answer
+
+
+async def _start_order(order, sessions, leaders, limit):
+    started = []
+
+    def job(i):
+        async def run(prefilled):
+            started.append(i)
+            await asyncio.sleep(0.01)
+            prefilled()
+            await asyncio.sleep(0.01)
+            return i
+
+        return run
+
+    results = await gather_in_order(
+        [job(i) for i in range(len(order))], order, sessions, limit,
+        fail_fast=True, leaders=leaders,
+    )  # fmt: skip
+    assert results == list(range(len(order)))
+    return started
+
+
+async def test_no_job_passes_one_waiting_for_its_leaders_prefill():
+    # Job 2 (another subtree) had a free slot while job 1 waited for job 0's prefill; started
+    # first, its prefix would crowd the pool before job 1's subtree is done.
+    assert await _start_order([0, 1, 2], [None] * 3, {1: 0}, limit=3) == [0, 1, 2]
+
+
+async def test_a_job_waiting_for_its_sessions_previous_turn_is_passed():
+    # A whole answer is a long wait: job 2 runs meanwhile.
+    assert await _start_order([0, 1, 2], ["s", "s", None], {}, limit=3) == [0, 2, 1]
