@@ -50,7 +50,7 @@ class ChatRagKV(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (checked below).
+    # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (EngineField checks).
     engine: EngineField = Field(default=None, exclude=True, repr=False)
     model: str | None = None
     device: str = "auto"
