@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import pytest
 
-from ragkv.errors import MissingDependencyError
+from ragkv.errors import ConfigError, MissingDependencyError
 from ragkv.integrations.openai.server import cli as server_cli
 
 
@@ -128,3 +129,84 @@ def test_engine_flags_build_the_engine_config_without_a_hand_mapping():
     assert (config.block_size, config.kv_cache_tokens, config.kv_store_salted) == (32, 96, False)
     for name in server_cli.NOT_SERVED:  # not offered (yet): the engine's default applies
         assert not hasattr(args, name)
+
+
+def test_kv_events_flags_are_off_by_default_and_replay_needs_the_endpoint():
+    args = parse()
+    assert args.kv_events_endpoint is None and args.kv_events_replay_endpoint is None
+    assert args.kv_events_topic == "" and args.kv_events_buffer > 0
+    args = parse("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558", "--model", "x")
+    with pytest.raises(ConfigError, match="--kv-events-endpoint"):
+        args.func(args)
+
+
+def test_served_kv_events_reach_a_subscriber_with_the_clients_salt(tmp_path):
+    """``ragkv serve --kv-events-endpoint``: the engine's blocks as vLLM events, starting
+    with a clear, named by the client's salt (not the tenant's) and by none without one."""
+    import socket
+    import subprocess
+
+    import httpx
+    from support import save_tiny_checkpoint
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("zmq")
+    from ragkv.cache_engine.block_hash import digest_salt
+    from ragkv.cache_engine.kv_events import SALT_DIGEST_KEY, AllBlocksCleared, BlockStored
+    from ragkv.integrations.kv_events.subscriber import ZmqFeed
+
+    model = save_tiny_checkpoint(tmp_path / "model", "llama", seed=3)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    port, pub, replay = ports
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ragkv.cli", "serve", "--model", str(model), "--port", str(port),
+         "--device", "cpu", "--api-key", "key-0123456789", "--no-access-log",
+         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--kv-events-topic", "t"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    feed = None
+    try:
+        for _line in range(200):
+            line = server.stdout.readline()
+            if "on http://" in line or not line:
+                break
+        assert "on http://" in line
+        feed = ZmqFeed(
+            f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}", topic="t"
+        )
+        headers = {"Authorization": "Bearer key-0123456789"}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for salt in (None, "mine"):
+            body = {"prompt": [5 + j for j in range(40)], "max_tokens": 1}
+            if salt:
+                body["cache_salt"] = salt
+            for _attempt in range(100):
+                try:
+                    answer = httpx.post(url, json=body, headers=headers)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            assert answer.status_code == 200, answer.text
+        events = []
+        for _attempt in range(50):
+            events = [e for _, b in feed.replay(0) or [] for e in b.events]
+            if sum(isinstance(e, BlockStored) for e in events) >= 2:
+                break
+            time.sleep(0.1)
+        assert events[0] == AllBlocksCleared()
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert [e.extra_keys[0] for e in stored] == [
+            None,
+            [SALT_DIGEST_KEY, digest_salt("mine")],
+        ]
+        assert stored[0].token_ids == [5 + j for j in range(32)] and stored[0].medium == "GPU"
+    finally:
+        if feed is not None:
+            feed.close()
+        server.terminate()
+        server.wait(timeout=60)
