@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.cache_engine import offload
-from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
+from ragkv.cache_engine.block_hash import digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkIndex
 from ragkv.cache_engine.chunk_reuse.source import ChunkReuseSource
 from ragkv.cache_engine.config import EngineConfig
@@ -36,8 +36,10 @@ from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState, Sink
 from ragkv.cache_engine.outputs import EngineHealth, EngineStats
+from ragkv.cache_engine.prefix_probe import PrefixProbe, nothing_cached
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.cache_engine.scheduler import Scheduler
+from ragkv.cache_engine.tier_source import TierSource
 
 
 class Engine(EngineCalls):
@@ -69,7 +71,7 @@ class Engine(EngineCalls):
         tiers = self._open_tiers(config)
         # K/V from outside the pool's prefix cache, asked in this order (kv_source.py):
         # the tiers continue the exact prefix, chunk reuse plans the rest.
-        sources: list[KVSource] = [] if tiers is None else [tiers]
+        sources: list[KVSource] = [] if tiers is None else [TierSource(tiers, self.kv)]
         sources.append(ChunkReuseSource(self.chunk_index, self.kv, config.max_num_batched_tokens))
         self.scheduler = Scheduler(self.kv, config, self.max_model_len, sources)
         self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
@@ -91,7 +93,6 @@ class Engine(EngineCalls):
         return KVOffload(
             offload.open_tiers(config, self.runner),
             self.runner,
-            self.kv,
             max_staged_blocks=self.runner.num_blocks,
             load_timeout_s=config.kv_load_timeout_s,
         )
@@ -144,9 +145,9 @@ class Engine(EngineCalls):
         sent go with it (``generate(..., prompt_hashes=)``), so its prompt is not hashed
         again. ``(0, None)`` when prefix caching is off (the request then digests the salt)."""
         if not self.enable_prefix_caching:
-            return _nothing_cached
+            return nothing_cached
         salt_digest = None if cache_salt is None else digest_salt(cache_salt)
-        return _PrefixProbe(self, cache_salt, salt_digest)
+        return PrefixProbe(self.kv, self.core.cached_prefix, cache_salt, salt_digest)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters (prefill computed vs reused, evictions, pool)."""
@@ -241,49 +242,3 @@ class Engine(EngineCalls):
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
         self.core.submit(state, sink)
-
-
-class _PrefixProbe:
-    """:meth:`Engine.prefix_probe` for one request. Its candidates often share their head
-    (the template's frame, the system prompt): a candidate's blocks that an earlier one
-    began with are taken from that one's hashes, so each block is hashed once."""
-
-    __slots__ = ("engine", "cache_salt", "salt_digest", "_probed")
-
-    def __init__(self, engine: Engine, cache_salt: str | None, salt_digest: bytes | None) -> None:
-        self.engine = engine
-        self.cache_salt = cache_salt
-        self.salt_digest = salt_digest
-        self._probed: list[tuple[list[int], BlockHasher]] = []
-
-    def __call__(self, token_ids: Sequence[int]) -> tuple[int, PromptHashes]:
-        engine, kv = self.engine, self.engine.kv
-        ids = list(token_ids)  # what the hashes are checked against when a request takes them
-        shared, hasher = 0, None
-        for earlier, earlier_hasher in list(self._probed):
-            blocks = _shared_blocks(earlier, ids, kv.block_size)
-            if blocks > shared:
-                shared, hasher = blocks, earlier_hasher
-        # In the caller's thread, outside the engine's lock.
-        hasher = kv.new_hasher(self.salt_digest) if hasher is None else hasher.prefix(shared)
-        hasher.extend(ids[shared * kv.block_size :])
-        self._probed.append((ids, hasher))
-        hashes = PromptHashes(kv, ids, self.cache_salt, self.salt_digest, hasher)
-        if len(ids) < 2:
-            return 0, hashes
-        return engine.core.cached_prefix(hasher, len(ids)) * engine.block_size, hashes
-
-
-def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
-    """Leading full blocks ``a`` and ``b`` have in common."""
-    blocks = min(len(a), len(b)) // block_size
-    for i in range(blocks):
-        start, end = i * block_size, (i + 1) * block_size
-        if a[start:end] != b[start:end]:
-            return i
-    return blocks
-
-
-def _nothing_cached(token_ids: Sequence[int]) -> tuple[int, None]:
-    """The residency probe of an engine without prefix caching."""
-    return 0, None

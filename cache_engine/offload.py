@@ -19,17 +19,11 @@ the blocks before any later step can overwrite them) and the copy to pinned host
 a side stream; the offer carries the copy's event, which the tiers' writer waits on before
 reading (this CUDA path is untested here: no GPU in CI).
 
-Read path: ``KVOffload`` is one of the scheduler's KV sources (:mod:`.kv_source`)::
-
-    pool prefix ends at block i  ->  match(): KVTiers.lookup(hashes[i:cap])   (cheap, unverified)
-      nothing there -> None: admit as usual
-      a run there   -> load_pending: the request waits for KV; a loader thread loads (and
-                       verifies) the run into CPU staging, stopping at the first miss, then
-                       wakes the engine
-    waiting request ready -> match(): the staged payloads continuing the pool prefix
-      -> the manager allocates pool blocks -> allocated(): copy into them (all layers); the
-         pool registers them, so later requests hit the pool -> prefill starts after the
-         last loaded token
+Read path: a :class:`~ragkv.cache_engine.tier_source.TierSource` (one of the scheduler's KV
+sources) looks a waiting request's next blocks up and asks the loader thread here to load
+them (verified) into CPU staging while the request waits for K/V; once admitted, its staged
+blocks are copied into fresh pool blocks (:meth:`KVOffload.install`), which the pool
+registers, so later requests hit the pool.
 
 So a step never waits for another request's loads: the slow part (reading, checksumming)
 runs in the loader thread while the engine keeps stepping other requests, and the request
@@ -54,23 +48,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragkv.cache_engine.config import DEFAULT_KV_LOAD_TIMEOUT_S
-from ragkv.cache_engine.kv_source import KVMatch
 from ragkv.cache_engine.tier_loader import StagedBlocks, TierLoader
 
 if TYPE_CHECKING:
     from ragkv.cache_engine.config import EngineConfig
     from ragkv.cache_engine.kv_cache_manager import KVCacheManager
     from ragkv.cache_engine.model_runner import ModelRunner
-    from ragkv.cache_engine.outputs import EngineStats
-    from ragkv.cache_engine.request import Request
     from ragkv.cache_engine.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-POOL = "pool"  # the tier name of a prefix block found in the KV pool itself
-# Lookups of one request between two admissions: a staged run can go stale (the pool evicts
-# blocks before it while the request waits); bounded so a request cannot loop forever.
-MAX_LOOKUPS = 4
 
 
 def open_tiers(config: EngineConfig, runner: ModelRunner) -> Any:
@@ -185,8 +171,9 @@ class TierCounters:
 class KVOffload:
     """Moves K/V between one engine's pool and its :class:`KVTiers`; owns the loader thread.
 
-    The write path is called by the engine core after each forward; the read path is a
-    :class:`~ragkv.cache_engine.kv_source.KVSource` the engine hands its scheduler.
+    The write path is called by the engine core after each forward; on the read path a
+    :class:`~ragkv.cache_engine.tier_source.TierSource` (the scheduler's KV source) decides
+    what to load and this class loads and installs it.
 
     ``wake`` is called (from the loader thread) when a parked request's loads are done, so
     an idle stepping thread picks it up at once.
@@ -196,14 +183,12 @@ class KVOffload:
         self,
         tiers: Any,
         runner: ModelRunner,
-        kv: KVCacheManager,
         *,
         max_staged_blocks: int,
         load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.tiers = tiers
-        self.kv = kv  # read only: the request's block hashes up to the reuse cap
         self.kv_caches = runner.kv_caches
         self.device = runner.device
         self.dtype = runner.dtype
@@ -211,9 +196,7 @@ class KVOffload:
         self.shape = payload_shape(runner)
         self.block_bytes = runner.bytes_per_block()
         self.counters = TierCounters()
-        self._lock = threading.Lock()  # guards the counters (the loader counts under it too)
-        self._probed: set[str] = set()  # not to be looked up again before admission
-        self._lookups: dict[str, int] = {}  # request id -> lookups since its last admission
+        self.lock = threading.Lock()  # guards the counters (the loader counts under it too)
         self.loader = TierLoader(
             tiers,
             shape=self.shape,
@@ -222,7 +205,7 @@ class KVOffload:
             max_staged_blocks=max_staged_blocks,
             load_timeout_s=load_timeout_s,
             counters=self.counters,
-            lock=self._lock,
+            lock=self.lock,
             wake=wake,
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -236,9 +219,9 @@ class KVOffload:
                 self._save(blocks)
         except Exception:  # the tiers are a cache: a failed save costs hits, not requests
             logger.exception("could not offer %d blocks to the KV tiers", len(blocks))
-            with self._lock:
+            with self.lock:
                 self.counters.save_errors += 1
-        with self._lock:
+        with self.lock:
             self.counters.save_s += time.perf_counter() - started
 
     def _save(self, blocks: Sequence[WrittenBlock]) -> None:
@@ -274,142 +257,13 @@ class KVOffload:
             self.tiers.offer(
                 block.block_hash, block.hash_input, payload, salted=block.salted, **extra
             )
-        with self._lock:
+        with self.lock:
             self.counters.offered_blocks += len(blocks)
             self.counters.offered_bytes += len(blocks) * self.block_bytes
 
-    # -- read path: a KV source (scheduler, stepping thread; see kv_source.py) -------------
-    name = "tiers"
-
-    def match(self, request: Request, num_computed: int) -> KVMatch | None:
-        """Exact K/V of the blocks after the pool's prefix, when the tiers hold them.
-
-        The first time a request is asked about (since its last admission) its next blocks
-        are looked up; a run found starts loads, and the request waits for them
-        (``load_pending``). Once they are staged the match offers the staged blocks that
-        still continue the pool's prefix. A stale staged run (the pool lost blocks before it
-        while the request waited) may be looked up once more (bounded by ``MAX_LOOKUPS``).
-        """
-        num_pool_blocks = num_computed // self.block_size
-        if self._begin(request, num_pool_blocks):
-            return KVMatch(load_pending=True)
-        staged = self._take(request, num_pool_blocks)
-        if staged is None:
-            return KVMatch(load_pending=True) if self._begin(request, num_pool_blocks) else None
-        return KVMatch(num_tokens=len(staged) * self.block_size, handle=staged)
-
-    def is_ready(self, request: Request) -> bool:
-        """True once a parked request's loads are done, or abandoned at their deadline."""
-        return self.loader.is_ready(request.request_id)
-
-    def allocated(
-        self,
-        request: Request,
-        match: KVMatch | None,
-        block_table: list[int],
-        num_pool_blocks: int,
-    ) -> None:
-        """Install the staged blocks after the pool prefix; count where the reused prompt
-        tokens came from (pool, host, disk); the request may be looked up again later."""
-        staged: StagedBlocks | None = None if match is None else match.handle
-        if staged is not None:
-            self._install(staged, block_table[num_pool_blocks : num_pool_blocks + len(staged)])
-        pool_tokens = num_pool_blocks * self.block_size
-        if request.cached_tokens_by_tier is None:  # its first admission
-            by_tier = {POOL: pool_tokens}
-            if staged is not None:
-                for tier, tokens in staged.tokens_by_tier(self.block_size).items():
-                    by_tier[tier] = by_tier.get(tier, 0) + tokens
-            request.cached_tokens_by_tier = by_tier
-        with self._lock:
-            self.counters.hit_tokens[POOL] = self.counters.hit_tokens.get(POOL, 0) + pool_tokens
-        self.release(request)
-
-    def computed(self, request: Request) -> None:
-        pass  # written blocks go to the tiers from the engine core (save_written)
-
-    def release(self, request: Request) -> None:
-        """Forget the request's staged payloads (and cancel its loads, if any are running),
-        and that it was looked up."""
-        self.loader.release(request.request_id)
-        self._probed.discard(request.request_id)
-        self._lookups.pop(request.request_id, None)
-
-    def add_stats(self, stats: EngineStats) -> None:
-        counters, stores = self.stats()
-        stats.tier_hit_tokens = counters.hit_tokens
-        stats.tier_loaded_blocks = counters.loaded_blocks
-        stats.tier_loaded_bytes = counters.loaded_bytes
-        stats.tier_load_s = counters.load_s
-        stats.tier_load_misses = counters.load_misses
-        stats.tier_stale_loads = counters.stale_loads
-        stats.tier_offered_blocks = counters.offered_blocks
-        stats.tier_offered_bytes = counters.offered_bytes
-        stats.tier_save_s = counters.save_s
-        stats.tier_install_s = counters.install_s
-        stats.tier_load_timeouts = counters.load_timeouts
-        stats.tier_stalled_skips = counters.stalled_skips
-        stats.tiers = stores
-
-    def loader_health(self) -> dict[str, Any]:
-        """The loader's progress (:meth:`TierLoader.health`)."""
-        return self.loader.health()
-
-    def _begin(self, request: Request, first_block: int) -> bool:
-        """Start loading the tiers' run of the request's blocks ``first_block ..`` (up to the
-        reuse cap, Invariant 4). True when loads started. False (nothing to wait for) when
-        the tiers hold none of the next blocks, when the request was looked up since its
-        last admission, or when staging is full."""
-        request_id = request.request_id
-        if request_id in self._probed:
-            return False
-        hashes, inputs = self.kv.reusable_hashes(request)
-        if first_block >= len(hashes):
-            return False
-        self._probed.add(request_id)
-        self._lookups[request_id] = self._lookups.get(request_id, 0) + 1
-        try:
-            present = self.tiers.lookup(list(hashes[first_block:]))
-        except Exception:
-            logger.exception("KV tier lookup failed; computing instead")
-            return False
-        end = first_block + len(present)
-        return self.loader.start(
-            request_id, first_block, hashes[first_block:end], inputs[first_block:end]
-        )
-
-    def _take(self, request: Request, num_pool_blocks: int) -> StagedBlocks | None:
-        """Staged blocks continuing a pool prefix of ``num_pool_blocks``, or None.
-
-        Blocks the pool now holds itself are skipped. A gap makes the staged run useless:
-        it is dropped and, up to ``MAX_LOOKUPS`` per admission, the request may be looked
-        up again (the lost blocks went to the tiers when they were written). Nothing is
-        consumed until :meth:`_install`.
-        """
-        request_id = request.request_id
-        staged = self.loader.ready(request_id)
-        if staged is None:
-            return None
-        skip = num_pool_blocks - staged.first_block
-        if skip < 0 or skip >= len(staged):
-            self.loader.release(request_id)
-            if skip < 0:
-                with self._lock:
-                    self.counters.stale_loads += 1
-            if skip >= 0 or self._lookups.get(request_id, 0) >= MAX_LOOKUPS:
-                self._probed.add(request_id)  # no further lookup before admission
-            else:
-                self._probed.discard(request_id)
-            return None
-        return StagedBlocks(
-            num_pool_blocks,
-            staged.hashes[skip:],
-            staged.payloads[skip:],
-            staged.tiers[skip:],
-        )
-
-    def _install(self, staged: StagedBlocks, block_ids: Sequence[int]) -> None:
-        """Copy ``staged`` into pool blocks ``block_ids`` (every layer)."""
+    # -- read path: staged payloads into the pool (a TierSource decides; stepping thread) --
+    def install(self, staged: StagedBlocks, block_ids: Sequence[int]) -> None:
+        """Copy ``staged`` into pool blocks ``block_ids`` (every layer) and count the hits."""
         started = time.perf_counter()
         payload = torch.stack(staged.payloads)
         if self.device.type == "cuda":
@@ -418,16 +272,20 @@ class KVOffload:
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
             k_cache.index_copy_(0, ids, payload[:, layer, 0])
             v_cache.index_copy_(0, ids, payload[:, layer, 1])
-        with self._lock:
+        with self.lock:
             counters = self.counters
             for tier, tokens in staged.tokens_by_tier(self.block_size).items():
                 counters.hit_tokens[tier] = counters.hit_tokens.get(tier, 0) + tokens
             counters.install_s += time.perf_counter() - started
 
+    def loader_health(self) -> dict[str, Any]:
+        """The loader's progress (:meth:`TierLoader.health`)."""
+        return self.loader.health()
+
     # -- lifetime --------------------------------------------------------------------------
     def stats(self) -> tuple[TierCounters, dict[str, Any]]:
         """The engine's tier counters, and the stores' own (``KVTiers.stats``)."""
-        with self._lock:
+        with self.lock:
             counters = self.counters.copy()
         try:
             stores = dict(self.tiers.stats())
