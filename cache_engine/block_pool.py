@@ -16,6 +16,8 @@ from contextlib import suppress
 from operator import eq
 from typing import cast
 
+from ragkv.cache_engine.block_hash import APPROXIMATE_LABEL
+
 
 class BlockPool:
     """``num_blocks`` KV blocks shared by all requests of one engine."""
@@ -140,10 +142,9 @@ class BlockPool:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self.cached[block_hash]
+            self._tell_removed(block_id, block_hash)
             self.block_hash[block_id] = None
             self.hash_input[block_id] = None
-            if self.removed is not None:
-                self.removed.append(block_hash)
 
     def reset(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
@@ -157,8 +158,14 @@ class BlockPool:
 
     def _evict(self, block_id: int, block_hash: bytes) -> None:
         del self.cached[block_hash]
-        if self.removed is not None:
-            self.removed.append(block_hash)
+        self._tell_removed(block_id, block_hash)
         self.block_hash[block_id] = None
         self.hash_input[block_id] = None
         self.num_evictions += 1
+
+    def _tell_removed(self, block_id: int, block_hash: bytes) -> None:
+        """Note a dropped exact hash for the KV events (approximate blocks were never told)."""
+        if self.removed is not None:
+            hash_input = self.hash_input[block_id]
+            if hash_input is None or not hash_input.startswith(APPROXIMATE_LABEL):
+                self.removed.append(block_hash)

@@ -285,3 +285,20 @@ def test_approximate_blocks_are_never_offered_to_the_kv_tiers(two_layers):
         approx = [b for b in range(eng.kv.num_blocks) if eng.kv.pool.block_hash[b] is not None]
         registered = [b for b in approx if eng.kv.registered(b) is not None]
         assert len(approx) - len(registered) == 3  # SECOND's blocks 1-3
+
+
+def test_kv_events_tell_only_exact_blocks_stored_and_removed(two_layers):
+    from ragkv.cache_engine.kv_events import BlockRemoved, BlockStored
+
+    path, _ = two_layers
+    with engine(path, kv_cache_tokens=10 * BLOCK) as eng:
+        events = eng.kv_events()
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        blended = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("none"))
+        eng.generate(ids(9, 9 * BLOCK), GREEDY)  # evicts everything before it
+        told, _ = events.take(timeout_s=1)
+    stored = [h for e in told if isinstance(e, BlockStored) for h in e.block_hashes]
+    removed = [h for e in told if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert blended.usage.reused_nonprefix_tokens == A + B  # it left 3 approximate blocks
+    assert len(removed) >= 4  # FIRST's blocks, evicted with them
+    assert set(removed) <= set(stored)  # but an approximate block is never told
