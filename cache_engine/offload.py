@@ -38,6 +38,7 @@ progress (``Engine.health().kv_loader``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -151,21 +152,11 @@ class TierCounters:
     stalled_skips: int = 0  # lookups not made because the loader was stuck in one read
 
     def copy(self) -> TierCounters:
-        return TierCounters(
-            dict(self.hit_tokens),
-            dict(self.loaded_blocks),
-            dict(self.loaded_bytes),
-            dict(self.load_s),
-            self.load_misses,
-            self.stale_loads,
-            self.offered_blocks,
-            self.offered_bytes,
-            self.save_s,
-            self.install_s,
-            self.save_errors,
-            self.load_timeouts,
-            self.stalled_skips,
-        )
+        """A snapshot: the per-tier dicts copied, the plain counts as they are."""
+        copied = dataclasses.replace(self)
+        for name in ("hit_tokens", "loaded_blocks", "loaded_bytes", "load_s"):
+            setattr(copied, name, dict(getattr(self, name)))
+        return copied
 
 
 class KVOffload:

@@ -139,6 +139,7 @@ class EngineStats:
     tier_install_s: float = 0.0
     tier_load_timeouts: int = 0  # parked requests that stopped waiting (kv_load_timeout_s)
     tier_stalled_skips: int = 0  # lookups skipped while the loader was stuck in one read
+    tier_save_errors: int = 0  # saves that failed (the tiers are a cache: hits lost, no request)
     tiers: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -16,6 +16,7 @@ Moving the bytes (the loader, staging, the copy into the pool) is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -108,19 +109,10 @@ class TierSource:
         self._lookups.pop(request.request_id, None)
 
     def add_stats(self, stats: EngineStats) -> None:
+        """Every tier counter as the ``EngineStats`` field ``tier_<name>``, and the stores'."""
         counters, stores = self.offload.stats()
-        stats.tier_hit_tokens = counters.hit_tokens
-        stats.tier_loaded_blocks = counters.loaded_blocks
-        stats.tier_loaded_bytes = counters.loaded_bytes
-        stats.tier_load_s = counters.load_s
-        stats.tier_load_misses = counters.load_misses
-        stats.tier_stale_loads = counters.stale_loads
-        stats.tier_offered_blocks = counters.offered_blocks
-        stats.tier_offered_bytes = counters.offered_bytes
-        stats.tier_save_s = counters.save_s
-        stats.tier_install_s = counters.install_s
-        stats.tier_load_timeouts = counters.load_timeouts
-        stats.tier_stalled_skips = counters.stalled_skips
+        for counter in dataclasses.fields(counters):
+            setattr(stats, "tier_" + counter.name, getattr(counters, counter.name))
         stats.tiers = stores
 
     def _begin(self, request: Request, first_block: int) -> bool:

@@ -162,6 +162,7 @@ def test_a_tier_that_cannot_store_costs_hits_not_requests(llama_dir, tiers, refe
     with tiered(llama_dir) as eng:
         outs = [eng.generate(ids(i, 100), GREEDY, return_logits=True) for i in (0, 1, 0)]
         assert eng.stats().tier_offered_blocks == 0
+        assert eng.stats().tier_save_errors > 0  # counted, and now reported
         assert eng.health().ok
     for out, ref in zip(outs, [reference[0], reference[1], reference[0]], strict=True):
         assert_same(out, ref)
