@@ -276,6 +276,11 @@ def block_hashes(
     return BlockHasher(block_size, extra=extra, salt=salt, algo=algo).extend(token_ids)
 
 
+def root_hash(algo: str | HashFn = "xxh3_128") -> bytes:
+    """The fixed seed every chain starts from: the parent in a prompt's first block's input."""
+    return resolve_algo(algo)(_ROOT_LABEL)
+
+
 def resolve_algo(algo: str | HashFn) -> HashFn:
     """A fresh ``bytes -> digest`` function for an algorithm name, or a custom one as is.
 

@@ -30,7 +30,7 @@ from ragkv.cache_engine.input_processor import (
     PromptHashes,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
-from ragkv.cache_engine.kv_events import DEFAULT_MAX_EVENTS, AllBlocksCleared, KVEventBuffer
+from ragkv.cache_engine.kv_events import DEFAULT_MAX_EVENTS, KVEventBuffer
 from ragkv.cache_engine.kv_source import KVSource
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
@@ -162,13 +162,14 @@ class Engine(EngineCalls):
         """The engine's KV cache events (vLLM's schema, :mod:`~ragkv.cache_engine.kv_events`)
         from now on, for one consumer: ``ragkv serve``'s publisher, or a
         :class:`~ragkv.integrations.routing.ReplicaRouter` in process. The first call starts
-        them with ``AllBlocksCleared`` (exact on an engine that has cached nothing yet) and
-        returns the buffer later calls return too. Bounded by ``max_events``: past it events
-        are dropped and counted, never waited for."""
+        them with ``AllBlocksCleared`` and the blocks cached so far
+        (``KVCacheManager.snapshot_events``) and returns the buffer later calls return too.
+        Bounded by ``max_events``: past it events are dropped and counted, never waited for."""
         with self.core.lock:
             if self._kv_events is None:
                 self._kv_events = KVEventBuffer(max_events)
-                self._kv_events.put(AllBlocksCleared())
+                for event in self.kv.snapshot_events():
+                    self._kv_events.put(event)
                 self.kv.set_event_sink(self._kv_events.put)
             return self._kv_events
 

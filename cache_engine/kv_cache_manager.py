@@ -16,6 +16,7 @@ attention reads it).
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +28,7 @@ from ragkv.cache_engine.block_hash import (
     approximate_keys,
     encode_extra_keys,
     resolve_algo,
+    root_hash,
 )
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
@@ -117,6 +119,44 @@ class KVCacheManager:
         with the engine's lock held."""
         self._sink = sink
         self.pool.removed = [] if sink is not None else None
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """What a new event consumer needs to know the prefix cache as it is now:
+        ``AllBlocksCleared``, then one ``BlockStored`` per cached block a prefix can reach
+        (its chain registered back to a prompt's first block), parents first. Read from the
+        blocks' stored hash inputs (parent ‖ tokens ‖ extra keys, a first block's salt
+        digest last). Call it on the stepping thread, or with the engine's lock held."""
+        pool, bs = self.pool, self.block_size
+        root = root_hash(self._algo)
+        children: dict[bytes, list[bytes]] = {}
+        for block_hash, block_id in pool.cached.items():
+            hash_input = pool.hash_input[block_id]
+            assert hash_input is not None  # set with the hash
+            children.setdefault(hash_input[: len(block_hash)], []).append(block_hash)
+        events: list[KVEvent] = [AllBlocksCleared()]
+        unpack = struct.Struct(f"<{bs}i").unpack_from
+        todo = list(children.get(root, ()))
+        while todo:  # depth first: a block is emitted before its children are pushed
+            block_hash = todo.pop()
+            data = pool.hash_input[pool.cached[block_hash]]
+            assert data is not None
+            size = len(block_hash)
+            parent = data[:size]
+            first = parent == root
+            extra: list[object] = [None]
+            if first and len(data) > size + 4 * bs + len(self._extra):  # salted
+                extra = [[SALT_DIGEST_KEY, data[-32:]]]
+            events.append(
+                BlockStored(
+                    block_hashes=[wire_hash(block_hash)],
+                    parent_block_hash=None if first else wire_hash(parent),
+                    token_ids=list(unpack(data, size)),
+                    block_size=bs,
+                    extra_keys=extra,
+                )
+            )
+            todo.extend(children.get(block_hash, ()))
+        return events
 
     def pin(self, block_ids: list[int]) -> None:
         """Take a reference on blocks a request reads but does not own (a KV source's plan)."""

@@ -62,9 +62,10 @@ class PoolReplica:
         self._ids = 0
 
     def kv_events(self) -> KVEventBuffer:
-        if self.buffer is None:
+        if self.buffer is None:  # as Engine.kv_events does
             self.buffer = KVEventBuffer()
-            self.buffer.put(AllBlocksCleared())
+            for event in self.kv.snapshot_events():
+                self.buffer.put(event)
             self.kv.set_event_sink(self.buffer.put)
         return self.buffer
 
@@ -313,3 +314,42 @@ def test_manager_events_name_blocks_as_vllm_does():
     assert event.parent_block_hash is None and event.token_ids == list(range(2 * BS))
     assert event.extra_keys == [[SALT_DIGEST_KEY, digest_salt("s")], None]
     assert all(0 <= h < 2**64 for h in event.block_hashes)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "blake3"])
+def test_a_warm_pools_snapshot_tells_a_new_consumer_what_it_holds(algo):
+    """Events started on a pool that already caches blocks: the snapshot (read back from
+    the stored hash inputs, model key and salts included) keys every reachable block as the
+    router hashes prompts, whatever the engine's hash recipe."""
+    rng = random.Random(11)
+    kv = KVCacheManager(30, BS, algo=algo, extra_keys=[("model", b"tiny")])
+    prefixes = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(5)]
+    prompts = []
+    for i in range(60):
+        salt = rng.choice([None, "a", "b"])
+        prompt = _prompt(rng, prefixes)
+        req = _Req(i, prompt, salt)
+        blocks, hit = kv.get_computed_blocks(req)
+        kv.allocate_slots(req, len(prompt) - hit, blocks)
+        kv.free(req)
+        prompts.append((prompt, salt))
+    index = EventIndex(BS)
+    events = kv.snapshot_events()
+    assert events[0] == AllBlocksCleared()
+    for event in events:
+        index.apply(event)
+    assert index.orphans == 0
+    total = 0
+    for prompt, salt in prompts:
+        salt_digest = None if salt is None else digest_salt(salt)
+        held = kv.cached_prefix(_hasher(kv, prompt, salt_digest), len(prompt))
+        routed = index.match(BlockHasher(BS, salt=salt).extend(prompt))[0]
+        assert min(routed, (len(prompt) - 1) // BS) == held
+        total += held
+    assert total > 0
+
+
+def _hasher(kv, prompt, salt_digest):
+    hasher = kv.new_hasher(salt_digest)
+    hasher.extend(prompt)
+    return hasher

@@ -131,6 +131,14 @@ def test_engine_flags_build_the_engine_config_without_a_hand_mapping():
         assert not hasattr(args, name)
 
 
+def test_kv_events_endpoints_this_machine_only_reaches_are_recognised():
+    assert server_cli._is_private_endpoint("tcp://127.0.0.1:5557")
+    assert server_cli._is_private_endpoint("tcp://[::1]:5557")
+    assert server_cli._is_private_endpoint("ipc:///tmp/kv")
+    assert not server_cli._is_private_endpoint("tcp://*:5557")
+    assert not server_cli._is_private_endpoint("tcp://0.0.0.0:5557")
+
+
 def test_kv_events_flags_are_off_by_default_and_replay_needs_the_endpoint():
     args = parse()
     assert args.kv_events_endpoint is None and args.kv_events_replay_endpoint is None

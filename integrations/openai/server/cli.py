@@ -220,6 +220,13 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_events_endpoint is not None:
         from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
 
+        for endpoint in (args.kv_events_endpoint, args.kv_events_replay_endpoint):
+            if endpoint is not None and not _is_private_endpoint(endpoint):
+                logger.warning(
+                    "KV events on %s carry every tenant's prompt token ids to anyone who "
+                    "connects; bind loopback (or ipc://) unless the network is private",
+                    endpoint,
+                )
         publisher = KVEventPublisher(
             engine.kv_events(args.kv_events_buffer),
             args.kv_events_endpoint,
@@ -334,3 +341,12 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _is_private_endpoint(endpoint: str) -> bool:
+    """A ZMQ endpoint only this machine can reach (``ipc://``, ``inproc://``, loopback)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return _is_loopback(host)
