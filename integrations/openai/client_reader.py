@@ -116,10 +116,22 @@ def output_of(
             completion_tokens=usage.get("completion_tokens", len(token_ids)),
             cached_tokens=details.get("cached_tokens"),
             cached_tokens_by_tier=_tokens_by_tier(details.get("cached_tokens_by_tier")),
+            reused_nonprefix_tokens=_count(usage.get("reused_nonprefix_tokens")),
+            reused_approximate_prefix_tokens=_count(usage.get("reused_approximate_prefix_tokens")),
+        ),
+        approximate=bool(
+            _count(usage.get("reused_nonprefix_tokens"))
+            or _count(usage.get("reused_approximate_prefix_tokens"))
         ),
         # The queue time is the server's secret; first-token and total are seen from here.
         timings=Timings(queue_s=math.nan, ttft_s=(first_token or end) - start, total_s=end - start),
     )
+
+
+def _count(value: Any) -> int:
+    """A ragkv usage extension's token count, 0 unless a non-negative int (other servers
+    send none; a malformed one is not trusted)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _choice_text(choice: dict[str, Any]) -> str:

@@ -345,3 +345,28 @@ def test_answers_are_bounded_in_size_time_and_shape(monkeypatch):
     long_line = Script(httpx.Response(200, content=b"data: " + b"x" * 500 + b"\n\n"))
     with pytest.raises(RemoteEngineError, match="line of"):
         list(scripted(long_line).stream([1, 2, 3], PARAMS))
+
+
+@pytest.mark.parametrize(
+    ("usage", "nonprefix", "approx_prefix", "approximate"),
+    [
+        ({}, 0, 0, False),  # another server: no ragkv extension
+        ({"reused_nonprefix_tokens": 12}, 12, 0, True),
+        ({"reused_approximate_prefix_tokens": 32}, 0, 32, True),
+        ({"reused_nonprefix_tokens": "12", "reused_approximate_prefix_tokens": -3}, 0, 0, False),
+    ],
+)
+def test_ragkvs_approximate_reuse_fields_reach_the_remote_output(
+    usage, nonprefix, approx_prefix, approximate
+):
+    from ragkv.integrations.openai.client_reader import output_of
+
+    body = {
+        "id": "x",
+        "choices": [{"text": "hi", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 40, "completion_tokens": 1, **usage},
+    }
+    out = output_of(body, [1, 2, 3], 0.0)
+    assert out.usage.reused_nonprefix_tokens == nonprefix
+    assert out.usage.reused_approximate_prefix_tokens == approx_prefix
+    assert out.approximate is approximate
