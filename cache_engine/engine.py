@@ -164,13 +164,17 @@ class Engine(EngineCalls):
         :class:`~ragkv.integrations.routing.ReplicaRouter` in process. The first call starts
         them with ``AllBlocksCleared`` and the blocks cached so far
         (``KVCacheManager.snapshot_events``) and returns the buffer later calls return too.
+        With KV tiers, their blocks come too (medium ``"CPU"``, ``"DISK"``; from the tiers'
+        worker thread): what host memory holds now, what disk stores from now on.
         Bounded by ``max_events``: past it events are dropped and counted, never waited for."""
         with self.core.lock:
             if self._kv_events is None:
-                self._kv_events = KVEventBuffer(max_events)
+                buffer = self._kv_events = KVEventBuffer(max_events)
                 for event in self.kv.snapshot_events():
-                    self._kv_events.put(event)
-                self.kv.set_event_sink(self._kv_events.put)
+                    buffer.put(event)
+                self.kv.set_event_sink(buffer.put)
+                if self.core.offload is not None:  # after the pool: tier blocks chain to it
+                    self.core.offload.tiers.set_event_sink(buffer.put, self.kv.stored_events)
             return self._kv_events
 
     def health(self) -> EngineHealth:
