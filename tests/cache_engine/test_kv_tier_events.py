@@ -214,3 +214,19 @@ def test_a_tiered_engine_without_a_consumer_sets_no_listener(llama):
     with tiered(llama) as eng:
         eng.generate(ids(0, N), GREEDY)
         assert eng.core.offload.tiers.host._listener is None
+
+
+def test_a_reset_of_the_pool_tells_the_host_tier_again(llama):
+    with tiered(llama) as eng:
+        buffer = eng.kv_events()
+        eng.generate(ids(0, N), GREEDY)
+        eng.generate(ids(1, N), GREEDY)
+        eng.core.offload.flush()
+        assert eng.reset_prefix_cache()
+        events, _ = buffer.take(0)
+    last_clear = max(i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared))
+    index = index_of(events[last_clear:])
+    assert index.match(BlockHasher(BLOCK).extend(ids(0, N))) == (
+        6,
+        pytest.approx(6 * MEDIUM_WEIGHTS[HOST]),
+    )
