@@ -7,6 +7,8 @@ a ``BlockRemoved`` per drop, so a router scores a block a replica would load bac
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from support import TIER_BLOCK_SHAPE, ids, save_tiny_checkpoint
 from support import tier_block as block
@@ -123,6 +125,22 @@ def test_disk_stores_and_drops_are_told_in_disk(tmp_path):
         ("BlockStored", "DISK"),
         ("BlockRemoved", "DISK"),
     ]
+
+
+def test_the_event_buffer_keeps_every_event_of_two_producer_threads():
+    buffer, n = KVEventBuffer(), 20_000
+    producers = [
+        threading.Thread(target=lambda m=m: [buffer.put(BlockRemoved([i], m)) for i in range(n)])
+        for m in ("GPU", "CPU")
+    ]
+    for thread in producers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    events, lost = buffer.take(0)
+    assert not lost and buffer.accepted == len(events) == 2 * n
+    for medium in ("GPU", "CPU"):  # each producer's events in its own order
+        assert [e.block_hashes[0] for e in events if e.medium == medium] == list(range(n))
 
 
 def test_nothing_is_told_without_a_listener_or_after_it_stops():
