@@ -30,7 +30,12 @@ from ragkv.cache_engine.input_processor import (
     PromptHashes,
 )
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
-from ragkv.cache_engine.kv_events import DEFAULT_MAX_EVENTS, KVEventBuffer
+from ragkv.cache_engine.kv_events import (
+    DEFAULT_MAX_EVENTS,
+    AllBlocksCleared,
+    KVEvent,
+    KVEventBuffer,
+)
 from ragkv.cache_engine.kv_source import KVSource
 from ragkv.cache_engine.model_runner import ModelRunner
 from ragkv.cache_engine.offload import KVOffload
@@ -164,13 +169,27 @@ class Engine(EngineCalls):
         :class:`~ragkv.integrations.routing.ReplicaRouter` in process. The first call starts
         them with ``AllBlocksCleared`` and the blocks cached so far
         (``KVCacheManager.snapshot_events``) and returns the buffer later calls return too.
+        With KV tiers, their blocks come too (medium ``"CPU"``, ``"DISK"``; from the tiers'
+        worker thread): what host memory holds now and again after each reset of the pool
+        (its ``AllBlocksCleared`` clears every medium), what disk stores from now on.
         Bounded by ``max_events``: past it events are dropped and counted, never waited for."""
         with self.core.lock:
             if self._kv_events is None:
-                self._kv_events = KVEventBuffer(max_events)
+                buffer = self._kv_events = KVEventBuffer(max_events)
                 for event in self.kv.snapshot_events():
-                    self._kv_events.put(event)
-                self.kv.set_event_sink(self._kv_events.put)
+                    buffer.put(event)
+                if self.core.offload is None:
+                    self.kv.set_event_sink(buffer.put)
+                else:  # after the pool: tier blocks chain to it
+                    tiers, describe = self.core.offload.tiers, self.kv.stored_events
+
+                    def pool_sink(event: KVEvent) -> None:
+                        buffer.put(event)
+                        if isinstance(event, AllBlocksCleared):  # a reset of the pool only
+                            tiers.set_event_sink(buffer.put, describe)  # host tells it again
+
+                    self.kv.set_event_sink(pool_sink)
+                    tiers.set_event_sink(buffer.put, describe)
             return self._kv_events
 
     def health(self) -> EngineHealth:

@@ -34,6 +34,7 @@ from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
 from ragkv.cache_engine.config import DEFAULTS
 from ragkv.cache_engine.kv_events import (
+    POOL_MEDIUM,
     SALT_DIGEST_KEY,
     AllBlocksCleared,
     BlockRemoved,
@@ -92,6 +93,8 @@ class KVCacheManager:
         self._algo = algo
         self._one = resolve_algo(algo)  # approximate keys (stepping thread)
         self._extra = encode_extra_keys(extra_keys)
+        self._root = root_hash(algo)  # a first block's parent in its hash input
+        self._unpack = struct.Struct(f"<{block_size}i").unpack_from  # a hash input's tokens
         self._requests: dict[Hashable, _RequestState] = {}
         self._stats = CacheStats(num_blocks=num_blocks)
         self._sink: Callable[[KVEvent], None] | None = None
@@ -126,37 +129,59 @@ class KVCacheManager:
         (its chain registered back to a prompt's first block), parents first. Read from the
         blocks' stored hash inputs (parent ‖ tokens ‖ extra keys, a first block's salt
         digest last). Call it on the stepping thread, or with the engine's lock held."""
-        pool, bs = self.pool, self.block_size
-        root = root_hash(self._algo)
+        pool, root = self.pool, self._root
         children: dict[bytes, list[bytes]] = {}
         for block_hash, block_id in pool.cached.items():
             hash_input = pool.hash_input[block_id]
             assert hash_input is not None  # set with the hash
             children.setdefault(hash_input[: len(block_hash)], []).append(block_hash)
         events: list[KVEvent] = [AllBlocksCleared()]
-        unpack = struct.Struct(f"<{bs}i").unpack_from
         todo = list(children.get(root, ()))
         while todo:  # depth first: a block is emitted before its children are pushed
             block_hash = todo.pop()
             data = pool.hash_input[pool.cached[block_hash]]
             assert data is not None
-            size = len(block_hash)
-            parent = data[:size]
-            first = parent == root
-            extra: list[object] = [None]
-            if first and len(data) > size + 4 * bs + len(self._extra):  # salted
-                extra = [[SALT_DIGEST_KEY, data[-32:]]]
-            events.append(
-                BlockStored(
-                    block_hashes=[wire_hash(block_hash)],
-                    parent_block_hash=None if first else wire_hash(parent),
-                    token_ids=list(unpack(data, size)),
-                    block_size=bs,
-                    extra_keys=extra,
-                )
-            )
+            events.append(self._stored_event(block_hash, data, POOL_MEDIUM))
             todo.extend(children.get(block_hash, ()))
         return events
+
+    def stored_events(self, blocks: Sequence[tuple[bytes, bytes]], medium: str) -> list[KVEvent]:
+        """One ``BlockStored`` in ``medium`` per ``(hash, hash input)`` of an exact block (a
+        KV tier's entries), parents before their children among them. Reads only what never
+        changes after construction: any thread may call it (a tier's worker does)."""
+        known = {block_hash: data for block_hash, data in blocks}
+        children: dict[bytes, list[bytes]] = {}
+        todo: list[bytes] = []
+        for block_hash, data in known.items():
+            parent = data[: len(block_hash)]
+            if parent in known:
+                children.setdefault(parent, []).append(block_hash)
+            else:
+                todo.append(block_hash)  # a first block, or its parent is held elsewhere
+        events: list[KVEvent] = []
+        while todo:
+            block_hash = todo.pop()
+            events.append(self._stored_event(block_hash, known[block_hash], medium))
+            todo.extend(children.get(block_hash, ()))
+        return events
+
+    def _stored_event(self, block_hash: bytes, data: bytes, medium: str) -> BlockStored:
+        """A block's ``BlockStored`` decoded from its hash input: parent ‖ tokens (int32,
+        little-endian) ‖ extra keys, and a salted first block's salt digest last."""
+        bs, size = self.block_size, len(block_hash)
+        parent = data[:size]
+        first = parent == self._root
+        extra: list[object] = [None]
+        if first and len(data) > size + 4 * bs + len(self._extra):  # salted
+            extra = [[SALT_DIGEST_KEY, data[-32:]]]
+        return BlockStored(
+            block_hashes=[wire_hash(block_hash)],
+            parent_block_hash=None if first else wire_hash(parent),
+            token_ids=list(self._unpack(data, size)),
+            block_size=bs,
+            medium=medium,
+            extra_keys=extra,
+        )
 
     def pin(self, block_ids: list[int]) -> None:
         """Take a reference on blocks a request reads but does not own (a KV source's plan)."""

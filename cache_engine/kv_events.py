@@ -20,9 +20,10 @@ recomputes them; they only name blocks between a ``BlockStored`` and its ``Block
 
 ``medium`` says where the block lives (:data:`MEDIA`): ``"GPU"`` is the engine's KV pool
 whatever its device (vLLM's name for it, also on its CPU backend), ``"CPU"`` the host-memory
-tier, ``"DISK"`` the disk tier. The engine publishes its pool only so far: the tiers' names
-are fixed here for when they publish too (a router already scores them, as vLLM's offloading
-connector sends ``"CPU"``).
+tier, ``"DISK"`` the disk tier (as vLLM's offloading connector names them). The pool's events
+come from the stepping thread, the tiers' from their worker thread
+(:mod:`ragkv.cache_engine.kv_tiers.tier_events`); a block in a tier and the pool at once has
+one ``BlockStored`` per medium and leaves each with its own ``BlockRemoved``.
 """
 
 from __future__ import annotations
@@ -91,10 +92,11 @@ def wire_hash(block_hash: bytes) -> int:
 
 
 class KVEventBuffer:
-    """Events from the engine's stepping thread, waiting for one consumer (a publisher, or a
-    router in process).
+    """Events from the engine's stepping thread and its KV tiers' worker, waiting for one
+    consumer (a publisher, or a router in process).
 
-    :meth:`put` never blocks beyond a short lock and never grows past ``max_events``: past
+    :meth:`put` is thread-safe (any number of producers: everything it touches is under one
+    lock), never blocks beyond that short lock and never grows past ``max_events``: past
     it an event is dropped and counted (``dropped``), and the next :meth:`take` says so, so
     the consumer can tell its subscribers that the stream has a hole.
     """

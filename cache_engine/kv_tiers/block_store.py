@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
+
+
+class TierListener(Protocol):
+    """Told what a store's index gains and loses (KV events, :mod:`.tier_events`).
+
+    A store calls it with its lock held, so the calls come in the order of the changes; it
+    must not block nor call back into the store.
+    """
+
+    def stored(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
+        """``(block hash, hash input)`` of entries now findable."""
+        ...
+
+    def removed(self, block_hashes: Sequence[bytes]) -> None:
+        """Hashes no longer findable (evicted, found damaged, discarded)."""
+        ...
 
 
 @runtime_checkable
@@ -45,6 +62,11 @@ class BlockStore(Protocol):
 
     def discard(self, block_hash: bytes) -> None:
         """Drop the entry stored under ``block_hash``, if any."""
+        ...
+
+    def set_listener(self, listener: TierListener | None) -> None:
+        """Tell ``listener`` what the index gains and loses from now on (a store may first
+        tell what it holds); None stops."""
         ...
 
     def stats(self) -> TierStats:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ragkv.cache_engine.kv_tiers.block_store import TierListener
 from ragkv.cache_engine.kv_tiers.entry_file import (
     DamagedEntry,
     EntryHeader,
@@ -126,6 +127,7 @@ class DiskStore:
         self._reserved = 0  # bytes of writes in progress
         self._tmp_names = itertools.count()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._listener: TierListener | None = None
         self._lock_fd = _lock_namespace(self.directory, exclusive=False)
         self._write_namespace_file()
         self._budget = capacity_bytes - self._trim_other_namespaces()
@@ -190,6 +192,8 @@ class DiskStore:
                 self._stats.write_errors += 1
                 return False
             self._reserved += size
+            if victims and self._listener is not None:
+                self._listener.removed(victims)
         for victim in victims:
             self._unlink(self._path(victim))
         path = self._path(block_hash)
@@ -215,11 +219,19 @@ class DiskStore:
             self._stats.bytes_used += size
             self._stats.puts += 1
             self._stats.stored_bytes += payload.nbytes
+            if self._listener is not None:
+                self._listener.stored([(block_hash, hash_input)])
         return True
 
     def discard(self, block_hash: bytes) -> None:
         """Remove the entry stored under ``block_hash``, if any (its file too)."""
         self._forget(block_hash, corrupt=False, count=False)
+
+    def set_listener(self, listener: TierListener | None) -> None:
+        """Tell ``listener`` every change from now on; None stops. Entries stored before are
+        not told: their hash inputs are in their files, read only to load a block."""
+        with self._lock:
+            self._listener = listener
 
     def stats(self) -> TierStats:
         """A snapshot of the counters and the contents now (this namespace's)."""
@@ -281,6 +293,8 @@ class DiskStore:
             size = self._entries.pop(block_hash, None)
             if size is not None:
                 self._stats.bytes_used -= size
+                if self._listener is not None:
+                    self._listener.removed([block_hash])
             if count:
                 self._stats.misses += 1
                 self._stats.corrupt += corrupt

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ragkv.cache_engine.kv_tiers.block_store import TierListener
 from ragkv.cache_engine.kv_tiers.payload import check_payload, checksum, cpu_copy
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
 from ragkv.errors import ConfigError
@@ -57,6 +58,7 @@ class HostStore:
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._listener: TierListener | None = None
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether ``block_hash`` is stored (unverified; a dict lookup)."""
@@ -124,6 +126,10 @@ class HostStore:
             self._stats.bytes_used += nbytes
             self._stats.puts += 1
             self._stats.stored_bytes += copy.nbytes
+            if self._listener is not None:
+                if evicted:
+                    self._listener.removed([victim.block_hash for victim in evicted])
+                self._listener.stored([(block_hash, entry.hash_input)])
         return True, evicted
 
     def peek(self, block_hash: bytes) -> HostEntry | None:
@@ -141,6 +147,14 @@ class HostStore:
             if block_hash in self._entries:
                 self._remove(block_hash)
 
+    def set_listener(self, listener: TierListener | None) -> None:
+        """Tell ``listener`` the entries stored now (``stored``), then every change; None
+        stops. Both under the lock, so no change falls between the two."""
+        with self._lock:
+            if listener is not None and self._entries:
+                listener.stored([(e.block_hash, e.hash_input) for e in self._entries.values()])
+            self._listener = listener
+
     def stats(self) -> TierStats:
         """A snapshot of the counters and the contents now."""
         with self._lock:
@@ -149,9 +163,13 @@ class HostStore:
     def close(self) -> None:
         """Drop every entry (frees the host memory); idempotent."""
         with self._lock:
+            if self._listener is not None and self._entries:
+                self._listener.removed(list(self._entries))
             self._entries.clear()
             self._stats.bytes_used = 0
 
     def _remove(self, block_hash: bytes) -> None:
         entry = self._entries.pop(block_hash)
         self._stats.bytes_used -= entry.nbytes
+        if self._listener is not None:
+            self._listener.removed([block_hash])

@@ -20,16 +20,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ragkv.cache_engine.kv_events import DISK_MEDIUM, HOST_MEDIUM, KVEvent
 from ragkv.cache_engine.kv_tiers.block_store import BlockStore
 from ragkv.cache_engine.kv_tiers.host_store import HostEntry, HostStore
 from ragkv.cache_engine.kv_tiers.payload import check_payload
 from ragkv.cache_engine.kv_tiers.payload import checksum as payload_checksum
+from ragkv.cache_engine.kv_tiers.tier_events import Describe, TierEvents
 from ragkv.cache_engine.kv_tiers.tier_stats import TierStats
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -182,6 +184,19 @@ class KVTiers:
             )
         out["offers"] = offers
         return out
+
+    def set_event_sink(self, sink: Callable[[KVEvent], None] | None, describe: Describe) -> None:
+        """Put a KV event in ``sink`` for every block a tier stores (``BlockStored``, medium
+        ``"CPU"`` for host memory, ``"DISK"`` for disk) or drops (``BlockRemoved``), from
+        whichever thread changed it (the worker, or a load that found an entry damaged), so
+        ``sink`` must be thread-safe and never block (``KVEventBuffer.put``). ``describe``
+        turns entries into ``BlockStored`` events (``KVCacheManager.stored_events``). The
+        host tier first tells what it holds now; the disk tier tells changes from now on.
+        None stops."""
+        for store, medium in ((self.host, HOST_MEDIUM), (self.disk, DISK_MEDIUM)):
+            if store is not None:
+                events = None if sink is None else TierEvents(sink, medium, describe)
+                store.set_listener(events)
 
     def close(self) -> None:
         """Store what is queued, stop the worker and close both stores; idempotent.

@@ -154,8 +154,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "KV events",
         "publish the KV cache's events in vLLM's format (ZMQ + msgpack; pip install "
         "'ragkv[events]') for a cache-aware router: BlockStored / BlockRemoved of the KV "
-        'pool, medium "GPU" whatever its device (the KV tiers are not published yet; their '
-        'names will be "CPU" and "DISK"); AllBlocksCleared at start and on reset. They '
+        'pool, medium "GPU" whatever its device, and of the KV tiers, "CPU" for host memory '
+        'and "DISK" for disk; AllBlocksCleared at start and on reset. They '
         "carry prompts' token ids: bind loopback or a private network",
     )
     events.add_argument(
