@@ -430,10 +430,20 @@ class Pipeline:
             question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
         )
 
-    async def _aprepare(self, *args: Any) -> Prepared:
-        """:meth:`_prepare_call` (same arguments) off the event loop: dedup hashing,
-        tokenization and the residency probe are CPU work."""
-        return await asyncio.to_thread(self._prepare_call, *args)
+    async def _aprepare(
+        self,
+        question: str,
+        chunks: Iterable[ChunkLike],
+        system: SystemLike | None,
+        history: Sequence[Turn] | None,
+        cache_salt: str | None,
+        params: SamplingParams,
+    ) -> Prepared:
+        """:meth:`_prepare_call` off the event loop: dedup hashing, tokenization and the
+        residency probe are CPU work."""
+        return await asyncio.to_thread(
+            self._prepare_call, question, chunks, system, history, cache_salt, params
+        )
 
     def prompt_budget(self, params: SamplingParams) -> int | None:
         """Prompt tokens a request may take: ``max_prompt_tokens`` if given, else what the
