@@ -17,7 +17,7 @@ from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.dedup import Deduplicator
 from ragkv.integrations._pipeline import pipeline_for
-from ragkv.integrations.langchain.chat_model import ChatRagKV
+from ragkv.integrations.langchain.chat_model import ChatRagKV, usage_metadata
 from ragkv.integrations.langchain.documents import document_to_chunk
 from ragkv.pipeline import Answer, AnswerDelta, Pipeline
 
@@ -220,15 +220,9 @@ def _parse(
 
 
 def _result(answer: Answer, docs: list[Document]) -> dict[str, Any]:
-    u = answer.usage
     return {
         "answer": answer.text,
-        "usage": {
-            "input_tokens": u.prompt_tokens,
-            "output_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "input_token_details": {"cache_read": u.cached_tokens},
-        },
+        "usage": usage_metadata(answer.usage),
         "documents": docs,
         "plan": answer.plan,
         "result": answer,

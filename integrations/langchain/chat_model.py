@@ -16,7 +16,7 @@ from langchain_core.messages.ai import InputTokenDetails
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
-from ragkv.cache_engine import Output, SamplingParams
+from ragkv.cache_engine import Output, SamplingParams, Usage
 from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
@@ -188,8 +188,8 @@ def _to_chat(message: BaseMessage) -> dict[str, str]:
     return {"role": role, "content": message.text}
 
 
-def _usage(output: Output) -> UsageMetadata:
-    u = output.usage
+def usage_metadata(u: Usage) -> UsageMetadata:
+    """ragkv's usage as LangChain's ``UsageMetadata`` (``cache_read``: exact prefix reuse)."""
     # LangChain's details are ints; a remote server that does not report cached tokens
     # leaves cache_read out rather than None (which usage addition would choke on).
     details: InputTokenDetails = {} if u.cached_tokens is None else {"cache_read": u.cached_tokens}
@@ -214,7 +214,7 @@ def _chunk(text: str, output: Output | None, model_name: str) -> ChatGenerationC
         return ChatGenerationChunk(message=AIMessageChunk(content=text))
     message = AIMessageChunk(
         content=text,
-        usage_metadata=_usage(output),
+        usage_metadata=usage_metadata(output.usage),
         response_metadata=_response_metadata(output, model_name),
         chunk_position="last",
     )

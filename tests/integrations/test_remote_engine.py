@@ -245,10 +245,10 @@ def test_langchain_usage_leaves_cache_read_out_when_the_server_does_not_report_i
     pytest.importorskip("langchain_core")
     from langchain_core.messages.ai import add_usage
 
-    from ragkv.cache_engine.outputs import Output, Timings, Usage
-    from ragkv.integrations.langchain.chat_model import _usage
+    from ragkv.cache_engine.outputs import Usage
+    from ragkv.integrations.langchain.chat_model import usage_metadata
 
-    usage = _usage(Output("r", [1, 2], [3], "x", "stop", Usage(2, 1, None), Timings(0, 0, 0)))
+    usage = usage_metadata(Usage(2, 1, None))
     assert "cache_read" not in usage["input_token_details"]
     assert add_usage(usage, usage)["total_tokens"] == 6
 
