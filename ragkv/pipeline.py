@@ -313,7 +313,10 @@ class Pipeline:
     ) -> Answer:
         """Asyncio form of :meth:`answer`."""
         params = self._params(params, sampling)
-        prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
+        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
+        prepared = await asyncio.to_thread(
+            self._prepare_call, question, chunks, system, history, cache_salt, params
+        )
         return await self.agenerate_prepared(prepared, params, cache_salt=cache_salt)
 
     async def astream(
@@ -329,7 +332,10 @@ class Pipeline:
     ) -> AsyncIterator[AnswerDelta]:
         """Asyncio form of :meth:`stream`."""
         params = self._params(params, sampling)
-        prepared = await self._aprepare(question, chunks, system, history, cache_salt, params)
+        # Dedup hashing, tokenization and the residency probe are CPU work: off the loop.
+        prepared = await asyncio.to_thread(
+            self._prepare_call, question, chunks, system, history, cache_salt, params
+        )
         async for delta in self.astream_prepared(prepared, params, cache_salt=cache_salt):
             yield delta
 
@@ -424,25 +430,10 @@ class Pipeline:
         cache_salt: str | None,
         params: SamplingParams,
     ) -> Prepared:
-        """:meth:`prepare` for :meth:`answer` and :meth:`stream` (and, through
-        :meth:`_aprepare`, their asyncio forms): the one place they dedup and assemble."""
+        """:meth:`prepare` for :meth:`answer` and :meth:`stream` (and, in a worker thread,
+        their asyncio forms): the one place they dedup and assemble."""
         return self.prepare(
             question, chunks, system=system, history=history, cache_salt=cache_salt, params=params
-        )
-
-    async def _aprepare(
-        self,
-        question: str,
-        chunks: Iterable[ChunkLike],
-        system: SystemLike | None,
-        history: Sequence[Turn] | None,
-        cache_salt: str | None,
-        params: SamplingParams,
-    ) -> Prepared:
-        """:meth:`_prepare_call` off the event loop: dedup hashing, tokenization and the
-        residency probe are CPU work."""
-        return await asyncio.to_thread(
-            self._prepare_call, question, chunks, system, history, cache_salt, params
         )
 
     def prompt_budget(self, params: SamplingParams) -> int | None:
