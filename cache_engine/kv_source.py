@@ -59,8 +59,6 @@ class KVMatch:
 class KVSource(Protocol):
     """K/V for a waiting request from somewhere other than the pool's prefix cache."""
 
-    name: str
-
     def match(self, request: Request, num_computed: int) -> KVMatch | None: ...
 
     def is_ready(self, request: Request) -> bool: ...

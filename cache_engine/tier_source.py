@@ -40,8 +40,6 @@ MAX_LOOKUPS = 4
 class TierSource:
     """K/V of a request's blocks after the pool's prefix, from the KV tiers."""
 
-    name = "tiers"
-
     def __init__(self, offload: KVOffload, kv: KVCacheManager) -> None:
         self.offload = offload
         self.kv = kv  # read only: the request's block hashes up to the reuse cap

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 class ChunkReuseSource:
     """Approximate K/V of chunks computed elsewhere, for requests that opt in."""
 
-    name = "chunk-reuse"
-
     def __init__(self, index: ChunkIndex, kv: KVCacheManager, max_step_tokens: int) -> None:
         self.index = index
         self.kv = kv

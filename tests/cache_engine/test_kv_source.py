@@ -17,8 +17,6 @@ BLOCK = 4
 class ScriptedSource:
     """Offers request "r" two blocks after the pool's prefix, once a load is 'done'."""
 
-    name = "scripted"
-
     def __init__(self) -> None:
         self.loaded = False
         self.calls: list[tuple] = []
@@ -78,8 +76,6 @@ def test_a_request_waits_for_its_sources_kv_while_others_run_then_starts_after_i
 class CopyStore:
     """A remote store in miniature: keeps each computed prompt's full blocks by hash and
     gives them back to later requests, through the KVSource protocol only."""
-
-    name = "copy-store"
 
     def __init__(self, engine: Engine) -> None:
         self.kv = engine.kv
