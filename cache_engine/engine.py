@@ -32,9 +32,8 @@ from ragkv.cache_engine.input_processor import (
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 from ragkv.cache_engine.kv_events import (
     DEFAULT_MAX_EVENTS,
-    AllBlocksCleared,
-    KVEvent,
     KVEventBuffer,
+    start_events,
 )
 from ragkv.cache_engine.kv_source import KVSource
 from ragkv.cache_engine.model_runner import ModelRunner
@@ -167,29 +166,15 @@ class Engine(EngineCalls):
         """The engine's KV cache events (vLLM's schema, :mod:`~ragkv.cache_engine.kv_events`)
         from now on, for one consumer: ``ragkv serve``'s publisher, or a
         :class:`~ragkv.integrations.routing.ReplicaRouter` in process. The first call starts
-        them with ``AllBlocksCleared`` and the blocks cached so far
-        (``KVCacheManager.snapshot_events``) and returns the buffer later calls return too.
-        With KV tiers, their blocks come too (medium ``"CPU"``, ``"DISK"``; from the tiers'
-        worker thread): what host memory holds now and again after each reset of the pool
-        (its ``AllBlocksCleared`` clears every medium), what disk stores from now on.
-        Bounded by ``max_events``: past it events are dropped and counted, never waited for."""
+        them with the blocks cached so far; with KV tiers, their blocks come too (medium
+        ``"CPU"``, ``"DISK"``). Bounded by ``max_events`` (raised to hold the pool's
+        snapshot): past it events are dropped and counted, never waited for. Later calls
+        return the same buffer, whatever ``max_events``; see
+        :func:`~ragkv.cache_engine.kv_events.start_events`."""
         with self.core.lock:
             if self._kv_events is None:
-                buffer = self._kv_events = KVEventBuffer(max_events)
-                for event in self.kv.snapshot_events():
-                    buffer.put(event)
-                if self.core.offload is None:
-                    self.kv.set_event_sink(buffer.put)
-                else:  # after the pool: tier blocks chain to it
-                    tiers, describe = self.core.offload.tiers, self.kv.stored_events
-
-                    def pool_sink(event: KVEvent) -> None:
-                        buffer.put(event)
-                        if isinstance(event, AllBlocksCleared):  # a reset of the pool only
-                            tiers.set_event_sink(buffer.put, describe)  # host tells it again
-
-                    self.kv.set_event_sink(pool_sink)
-                    tiers.set_event_sink(buffer.put, describe)
+                tiers = None if self.core.offload is None else self.core.offload.tiers
+                self._kv_events = start_events(self.kv, tiers, max_events)
             return self._kv_events
 
     def health(self) -> EngineHealth:

@@ -16,6 +16,7 @@ attention reads it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -447,12 +448,12 @@ class KVCacheManager:
         digest in its extra keys."""
         assert self._sink is not None
         bs, i = self.block_size, 0
-        while i < len(new):
-            if not new[i]:
-                i += 1
+        for is_new, run in itertools.groupby(new):  # one pass over the runs
+            size = len(list(run))
+            i += size
+            if not is_new:
                 continue
-            end = new.index(False, i) if False in new[i:] else len(new)
-            start, stop = first + i, first + end
+            start, stop = first + i - size, first + i
             extra: list[object] = [None] * (stop - start)
             if start == 0 and request.salt_digest is not None:
                 extra[0] = [SALT_DIGEST_KEY, request.salt_digest]
@@ -464,7 +465,6 @@ class KVCacheManager:
                 extra_keys=extra,
             )
             self._sink(event)
-            i = end
 
     def _emit_removed(self) -> None:
         removed = self.pool.removed

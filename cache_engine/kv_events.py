@@ -31,7 +31,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine.kv_cache_manager import KVCacheManager
 
 # Where a block lives: the engine's pool, the host-memory tier, the disk tier.
 POOL_MEDIUM = "GPU"
@@ -150,3 +153,28 @@ __all__ = [
     "KVEventBuffer",
     "wire_hash",
 ]
+
+
+def start_events(kv: KVCacheManager, tiers: Any, max_events: int) -> KVEventBuffer:
+    """A buffer of the engine's events from now on: ``AllBlocksCleared`` and the pool's
+    cached blocks first (``KVCacheManager.snapshot_events``), then what the pool and the KV
+    tiers (``tiers``, None when off; from their worker thread) store and drop. The snapshot
+    (one event per cached block, bounded by the pool) always fits: a dropped first batch
+    would leave a consumer nothing to replay from. Call with the engine's lock held."""
+    snapshot = kv.snapshot_events()
+    buffer = KVEventBuffer(max(max_events, len(snapshot) + max_events // 2))
+    for event in snapshot:
+        buffer.put(event)
+    if tiers is None:
+        kv.set_event_sink(buffer.put)
+        return buffer
+    describe = kv.stored_events  # after the pool: tier blocks chain to it
+
+    def pool_sink(event: KVEvent) -> None:
+        buffer.put(event)
+        if isinstance(event, AllBlocksCleared):  # a reset of the pool only
+            tiers.set_event_sink(buffer.put, describe)  # host memory tells its blocks again
+
+    kv.set_event_sink(pool_sink)
+    tiers.set_event_sink(buffer.put, describe)
+    return buffer

@@ -116,6 +116,9 @@ class KVEventPublisher:
         if replay_endpoint is not None:
             self._replay_sock = self._context.socket(zmq.ROUTER)
             self._replay_sock.setsockopt(zmq.LINGER, 0)
+            # A replay answers up to replay_batches messages in a row; past the default
+            # high-water mark (1,000) a ROUTER drops the rest silently, end marker included.
+            self._replay_sock.setsockopt(zmq.SNDHWM, replay_batches + 2)
             self._replay_sock.bind(replay_endpoint)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
         self._kept_lock = threading.Lock()

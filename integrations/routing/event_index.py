@@ -194,7 +194,7 @@ class EventIndex:
                 self.orphans += len(hashes)
                 return
         # Blocks past the first with extra keys (multimodal inputs) end what can be keyed.
-        usable = next((i for i in range(1, len(extra)) if extra[i]), len(hashes))
+        usable = min(next((i for i in range(1, len(extra)) if extra[i]), len(hashes)), len(hashes))
         if event.parent_block_hash is not None and extra and extra[0]:
             usable = 0
         self.skipped += len(hashes) - usable
