@@ -248,3 +248,13 @@ def test_a_reset_of_the_pool_tells_the_host_tier_again(llama):
         6,
         pytest.approx(6 * MEDIUM_WEIGHTS[HOST]),
     )
+
+
+def test_a_snapshot_larger_than_the_bound_still_reaches_the_consumer_whole(llama_dir):
+    # The snapshot is one event per cached block; before, a pool caching more blocks than
+    # max_events lost the first batch, and with it what a consumer replays from.
+    with Engine.from_pretrained(llama_dir, device="cpu", kv_cache_tokens=2048) as engine:
+        engine.generate(ids(1, 100), SamplingParams(max_tokens=1))  # 6 cached blocks
+        events, lost = engine.kv_events(max_events=2).take(timeout_s=1)
+    assert not lost
+    assert sum(isinstance(e, BlockStored) for e in events) == 6
