@@ -226,7 +226,8 @@ class Assembler:
             )
             if self.order == "cache-aware":
                 self.tree.insert(chosen.head_key, [s.key for s in chosen.order])
-            self.sent.record(chosen.plan.token_ids)
+            if residency is None:  # the record stands in for an engine that cannot tell
+                self.sent.record(chosen.plan.token_ids)
         chosen.plan.prompt_hashes = chosen.handoff
         return self._finish(chosen.plan, draft)
 

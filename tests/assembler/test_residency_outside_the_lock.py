@@ -66,3 +66,14 @@ def test_another_request_assembles_while_a_probe_waits_for_the_engine(local_toke
         release.set()
         first.join(30)
     assert "other" in results and "probed" in results
+
+
+def test_with_engine_residency_the_sent_prompt_is_not_hashed_again(local_tokenizer):
+    # The assembler's own record of sent prompts stands in for an engine that cannot tell
+    # what it holds; with the engine's probe it went unread but hashed every prompt again,
+    # under the assembler's lock.
+    asm = _assembler(local_tokenizer)
+    asm.assemble(system=SYSTEM, chunks=PASSAGES[:3], question="Q?", residency=lambda ids: 0)
+    assert len(asm.sent) == 0
+    asm.assemble(system=SYSTEM, chunks=PASSAGES[:3], question="Q?")
+    assert len(asm.sent) > 0
