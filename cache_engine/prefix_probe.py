@@ -8,11 +8,14 @@ prompt is never hashed again.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from ragkv.cache_engine.block_hash import BlockHasher
 from ragkv.cache_engine.input_processor import PromptHashes
 from ragkv.cache_engine.kv_cache_manager import KVCacheManager
+
+MAX_CANDIDATES = 4  # earlier candidates a probe shares hashes from
 
 
 class PrefixProbe:
@@ -36,7 +39,9 @@ class PrefixProbe:
         self.cached_prefix = cached_prefix
         self.cache_salt = cache_salt
         self.salt_digest = salt_digest
-        self._probed: list[tuple[list[int], BlockHasher]] = []
+        # One request's candidates (a few); bounded, so a probe kept longer (an assembler's
+        # default residency) neither grows nor slows with traffic.
+        self._probed: deque[tuple[list[int], BlockHasher]] = deque(maxlen=MAX_CANDIDATES)
 
     def __call__(self, token_ids: Sequence[int]) -> tuple[int, PromptHashes]:
         kv = self.kv
