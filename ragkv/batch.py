@@ -371,7 +371,13 @@ def _plan_inputs(pipeline: Pipeline, window: Sequence[BatchItem]) -> list[DedupR
 def _history_key(history: Sequence[Turn] | None) -> tuple[str, ...]:
     if not history:
         return ()
-    return tuple(f"{turn.get('role', '')}:{turn.get('content', '')}" for turn in history)
+    # Any shape: the assembler validates each item's history (and fails that item alone).
+    return tuple(
+        f"{turn.get('role', '')}:{turn.get('content', '')}"
+        if isinstance(turn, Mapping)
+        else repr(turn)
+        for turn in history
+    )
 
 
 def _system_key(system: SystemLike | None) -> str:

@@ -275,3 +275,17 @@ async def test_no_job_passes_one_waiting_for_its_leaders_prefill():
 async def test_a_job_waiting_for_its_sessions_previous_turn_is_passed():
     # A whole answer is a long wait: job 2 runs meanwhile.
     assert await _start_order([0, 1, 2], ["s", "s", None], {}, limit=3) == [0, 2, 1]
+
+
+def test_history_as_role_content_pairs_or_malformed_fails_only_its_item(engine, passages):
+    # Planning read every turn with .get: a (role, content) pair, which the assembler
+    # accepts, or any malformed turn raised before any item ran and took the window down.
+    pipe = ragkv.Pipeline(engine)
+    items = [
+        BatchItem("paired?", [passages[0]], history=[("user", "hi"), ("assistant", "hello")]),
+        BatchItem("malformed?", [passages[1]], history=[42]),
+        BatchItem("fine?", [passages[2]]),
+    ]
+    paired, malformed, fine = pipe.answer_batch(items, params=PARAMS, return_exceptions=True)
+    assert isinstance(paired, ragkv.Answer) and isinstance(fine, ragkv.Answer)
+    assert isinstance(malformed, InvalidInputError) and malformed.param == "history"
