@@ -1,13 +1,17 @@
-"""Where each exactly computed chunk's K/V lives: the chunk index of position-independent reuse.
+"""Where each chunk's K/V lives: the chunk index of position-independent reuse.
 
-When a request that passed its chunk spans has computed its prompt exactly, every chunk is
+When a request that passed its chunk spans has computed its prompt, every chunk is
 recorded under ``H(model identity ‖ salt digest ‖ chunk token ids)`` with the blocks that
 hold its K/V and the position its first token had there. A lookup verifies the stored
 token ids and salt (a hash collision is a miss, never wrong K/V) and the blocks' residency:
 the pool bumps a block's *generation* whenever it hands the block out again (or forgets
 it), so an entry whose blocks have moved on is dropped, never read. Pure Python, no torch.
 
-Only exact K/V is recorded: a request that reused chunks itself records nothing.
+An entry is *exact* (computed over exact K/V only) or *approximate*: a chunk a blended
+request computed after its first copied token attended to copied K/V. An approximate entry
+carries the reuse settings that made it (its *scope*) and is found only by lookups of the
+same scope; it never replaces a live exact entry. Only opted-in requests look anything up,
+so no exact request ever reads what this index points at.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ class _Entry:
     salt_digest: bytes | None
     tokens: bytes
     location: ChunkLocation
+    scope: bytes | None  # None: exact K/V; else the reuse settings of approximate K/V
+
+    def is_live(self, generations: Sequence[int]) -> bool:
+        """Every block still holds what was recorded (none handed out again since)."""
+        location = self.location
+        return all(
+            generations[b] == g
+            for b, g in zip(location.block_ids, location.generations, strict=True)
+        )
 
 
 class ChunkIndex:
@@ -81,43 +94,58 @@ class ChunkIndex:
         block_table: Sequence[int],
         block_size: int,
         generations: Sequence[int],
+        scope: bytes | None = None,
     ) -> None:
-        """Record the chunk ``token_ids`` computed exactly at ``start`` in ``block_table``."""
+        """Record the chunk ``token_ids`` computed at ``start`` in ``block_table``: exactly
+        (``scope`` None), or approximately under the reuse settings ``scope``, which then
+        leaves a live entry of the same tokens as it is."""
         if not token_ids or len(token_ids) > self.max_tokens:
             return
         tokens = tokens_to_bytes(token_ids)
         key = self._key(salt_digest, tokens)
+        if scope is not None:
+            held = self._entries.get(key)
+            if held is not None and held.tokens == tokens and held.is_live(generations):
+                return
         first, last = start // block_size, (start + len(token_ids) - 1) // block_size
         block_ids = tuple(block_table[first : last + 1])
         location = ChunkLocation(
             start, len(token_ids), block_ids, tuple(generations[b] for b in block_ids)
         )
         self._drop(key)
-        self._entries[key] = _Entry(salt_digest, tokens, location)
+        self._entries[key] = _Entry(salt_digest, tokens, location, scope)
         self._num_tokens += len(token_ids)
         while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
     def lookup(
-        self, salt_digest: bytes | None, token_ids: Sequence[int], generations: Sequence[int]
+        self,
+        salt_digest: bytes | None,
+        token_ids: Sequence[int],
+        generations: Sequence[int],
+        scope: bytes | None = None,
     ) -> ChunkLocation | None:
-        """Where the chunk's exact K/V lives now, or None (unknown, collided or gone)."""
+        """Where the chunk's K/V lives now: exact, or approximate made under ``scope``;
+        None when unknown, collided, of another scope or gone."""
         tokens = tokens_to_bytes(token_ids)
         key = self._key(salt_digest, tokens)
         entry = self._entries.get(key)
         if entry is None or entry.tokens != tokens or entry.salt_digest != salt_digest:
             return None
-        location = entry.location
-        if any(
-            generations[b] != g
-            for b, g in zip(location.block_ids, location.generations, strict=True)
-        ):
+        if entry.scope is not None and entry.scope != scope:
+            return None
+        if not entry.is_live(generations):
             self.num_stale += 1
             self._drop(key)
             return None
         self._entries.move_to_end(key)
         self.num_hits += 1
-        return location
+        return entry.location
+
+    @property
+    def num_approximate(self) -> int:
+        """Entries whose K/V a blended request computed after copied K/V."""
+        return sum(entry.scope is not None for entry in self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()

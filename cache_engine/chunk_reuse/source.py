@@ -6,12 +6,14 @@ sources. Pure Python. Safety, in the order of the protocol:
 - **pin**: a plan's source blocks (``KVMatch.pinned``) are referenced by the scheduler
   before the request's own blocks are allocated (a free source block would otherwise be the
   next one handed out), and stay referenced until the step that copies from them has run;
-- **never cache approximate K/V**: K/V is approximate from the first copied token on (every
-  later token attends to it): ``KVMatch.cache_until``, past which the request's blocks are
-  never registered in the prefix cache, and its chunks never recorded. Blocks and chunks
-  wholly before it (the exact prefix, then tokens computed over exact K/V only) are exact
-  and are cached and recorded like any;
-- **record only exact K/V**: chunks are recorded once the prompt has been computed.
+- **never cache approximate K/V as exact**: K/V is approximate from the first copied token
+  on (every later token attends to it): ``KVMatch.cache_until``, past which the request's
+  blocks are registered only under approximate keys (the manager's ``scope``). Blocks and
+  chunks wholly before it (the exact prefix, then tokens computed over exact K/V only) are
+  exact and are cached and recorded like any;
+- **learn every chunk**: once the prompt has been computed, every chunk span is recorded in
+  the index: exact before the first copied token, approximate (under the reuse settings)
+  after it. Chunks are taken from the request's own prefill, not computed again alone.
 
 A request is planned at its first admission only; a recompute after preemption is exact.
 A plan larger than one step's token budget falls back to the exact path (counted).
@@ -54,7 +56,7 @@ class ChunkReuseSource:
         num_shared = len(shared) * kv.block_size
 
         def lookup(token_ids):
-            return self.index.lookup(request.salt_digest, token_ids, kv.generations)
+            return self.index.lookup(request.salt_digest, token_ids, kv.generations, scope)
 
         plan = plan_blend(
             request.token_ids,
@@ -120,8 +122,8 @@ class ChunkReuseSource:
         stats.blend_fallbacks = self.num_fallbacks
 
     def _record_chunks(self, request: Request) -> None:
-        """Record where the request's chunks' exact K/V lives (its prompt has been computed):
-        every chunk, or for a blended request those wholly before its first copied token."""
+        """Record where the request's chunks' K/V lives (its prompt has been computed): exact
+        for chunks wholly before its first copied token, approximate for the rest."""
         request.chunks_recorded = True
         exact_until = request.num_prompt_tokens
         if request.exact_until is not None:
@@ -129,9 +131,11 @@ class ChunkReuseSource:
         kv = self.kv
         block_table = kv.block_table(request)
         token_ids = request.token_ids
+        scope = None if request.reuse is None else reuse_scope(request.reuse)
         for start, end in request.chunk_spans:
-            if end > exact_until:
-                break
+            approximate = end > exact_until
+            if approximate and scope is None:
+                break  # only an opted-in request has approximate K/V: defensive
             self.index.record(
                 request.salt_digest,
                 token_ids[start:end],
@@ -139,6 +143,7 @@ class ChunkReuseSource:
                 block_table,
                 kv.block_size,
                 kv.generations,
+                scope if approximate else None,
             )
 
 

@@ -175,6 +175,31 @@ def test_what_precedes_the_first_copied_token_is_exact_and_cached(two_layers):
     assert (exact.logits - expected).abs().max().item() <= ATOL
 
 
+def test_chunks_a_blended_request_computes_are_learned_for_its_reuse_settings_only(two_layers):
+    path, _ = two_layers
+    naive, first_k = BlendConfig("none"), BlendConfig("first-k", k=4)
+    new_chunk = ids(6, A)
+    blended = SYS + CHUNK_B + new_chunk + ids(7, 7)  # B copied to 20, the new chunk after it
+
+    def moved(gap: int) -> tuple[list[int], list[tuple[int, int]]]:  # the new chunk alone
+        return SYS + ids(8, gap) + new_chunk + ids(9, 7), [(SYSTEM + gap, SYSTEM + gap + A)]
+
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(blended, GREEDY, chunk_spans=SPANS, reuse=naive)
+        starts = sorted(loc.start for loc in _locations(eng))
+        approximate = eng.chunk_index.num_approximate
+        prompt, spans = moved(12)
+        same_scope = eng.generate(prompt, GREEDY, chunk_spans=spans, reuse=naive)
+        prompt, spans = moved(3)  # another position, so no exact prefix covers the chunk
+        other_scope = eng.generate(prompt, GREEDY, chunk_spans=spans, reuse=first_k)
+        assert_no_block_held(eng)
+    assert starts == [SYSTEM, SYSTEM + A, SYSTEM + B]  # A, B where FIRST left them; new at 44
+    assert approximate == 1  # it attended to the copied B
+    assert other_scope.usage.reused_nonprefix_tokens == 0
+    assert same_scope.usage.reused_nonprefix_tokens == A and same_scope.approximate
+
+
 def test_evicted_source_blocks_are_never_read(one_layer):
     path, model = one_layer
     with engine(path, kv_cache_tokens=8 * BLOCK) as eng:
