@@ -8,7 +8,8 @@ optimistic on purpose: an unbounded pool (nothing evicted), every earlier block 
 (blended requests' blocks are not, in the engine), every earlier chunk recorded. A
 follow-up's earlier answers stand in as 8 filler words.
 
-Usage: ``python benchmarks/blend_bound.py [--workload synthetic|production] [--ks 0,16]``
+Usage: ``python benchmarks/blend_bound.py [--workload synthetic|production] [--ks 0,16]``, or
+``--workload ragpulse --trace-dir ../shared/data/ragpulse --limit 300 --scale 0.25``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 
 from ragkv.bench.lanes import build_pipeline, lane_specs
 from ragkv.bench.production import ProductionConfig, production_workload
+from ragkv.bench.ragpulse import ragpulse_workload
 from ragkv.bench.workload import SyntheticConfig, synthetic_workload
 from ragkv.cache_engine import block_hashes, default_model_path
 from ragkv.defaults import DEFAULT_BLOCK_SIZE
@@ -71,11 +73,19 @@ def bound(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("synthetic", "production"), default="synthetic")
+    p.add_argument(
+        "--workload", choices=("synthetic", "production", "ragpulse"), default="synthetic"
+    )
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--ks", default="0,16")
+    p.add_argument("--trace-dir", default="../shared/data/ragpulse")
+    p.add_argument("--limit", type=int, default=300)
+    p.add_argument("--scale", type=float, default=0.25)
     args = p.parse_args()
-    if args.workload == "synthetic":
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    if args.workload == "ragpulse":
+        workload = ragpulse_workload(args.trace_dir, tokenizer, limit=args.limit, scale=args.scale)
+    elif args.workload == "synthetic":
         workload = synthetic_workload(
             SyntheticConfig(requests=args.requests, topics=max(1, args.requests // 4))
         )
@@ -83,7 +93,6 @@ def main() -> None:
         workload = production_workload(
             ProductionConfig(requests=args.requests, passages=2 * args.requests)
         )
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     ks = [int(k) for k in args.ks.split(",")]
     for key, value in bound(workload, tokenizer, ks).items():
         print(f"{key:>24}: {value:,.2f}" if isinstance(value, float) else f"{key:>24}: {value:,}")
