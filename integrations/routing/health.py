@@ -17,6 +17,7 @@ from typing import Any
 from ragkv.cache_engine.engine_like import ChecksHealth, ReportsHealth
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, RemoteEngineError
 from ragkv.integrations.routing.replica import Replica
+from ragkv.integrations.routing.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +45,11 @@ class ReplicaHealth:
     """
 
     def __init__(
-        self,
-        replicas: list[Replica],
-        lock: threading.Lock,
-        *,
-        backoff_s: float,
-        max_backoff_s: float,
-        health_timeout_s: float,
+        self, replicas: list[Replica], lock: threading.Lock, settings: RouterSettings
     ) -> None:
         self.replicas = replicas
         self.lock = lock
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.health_timeout_s = health_timeout_s
+        self.settings = settings
 
     def mark_down(self, replica: Replica) -> None:
         """Skip ``replica`` for a backoff (doubling per consecutive failure) and forget its
@@ -64,7 +57,8 @@ class ReplicaHealth:
         if not any(r.stats.healthy for r in self.replicas if r is not replica):
             logger.warning("replica %s failed but is the last healthy one", replica.stats.name)
             return  # never take the last healthy replica out
-        replica.backoff_s = min(self.max_backoff_s, max(self.backoff_s, 2 * replica.backoff_s))
+        cap, floor = self.settings.max_backoff_s, self.settings.backoff_s
+        replica.backoff_s = min(cap, max(floor, 2 * replica.backoff_s))
         replica.down_until = time.monotonic() + replica.backoff_s
         replica.stats.healthy = False
         replica.index.clear()
@@ -87,7 +81,7 @@ class ReplicaHealth:
             for r in due:
                 r.probing = True
         for r in due:
-            ok = _probe(r.engine, self.health_timeout_s)
+            ok = _probe(r.engine, self.settings.health_timeout_s)
             with self.lock:
                 r.probing = False
                 if ok:

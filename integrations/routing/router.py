@@ -29,7 +29,6 @@ from ragkv.errors import ConfigError
 from ragkv.integrations.routing.dispatch import Dispatcher
 from ragkv.integrations.routing.event_index import DEFAULT_EVENT_INDEX_BLOCKS
 from ragkv.integrations.routing.health import ReplicaHealth
-from ragkv.integrations.routing.policies import check_policy
 from ragkv.integrations.routing.replica import (
     DEFAULT_INDEX_BLOCKS,
     ReplicaStats,
@@ -38,6 +37,7 @@ from ragkv.integrations.routing.replica import (
 )
 from ragkv.integrations.routing.replica_events import EngineFeed, EventFeed, ReplicaEvents
 from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session_scope
+from ragkv.integrations.routing.settings import RouterSettings
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -90,46 +90,28 @@ class ReplicaRouter:
         sizes = {r.block_size for r in replicas}
         if len(sizes) != 1:
             raise ConfigError(f"replicas must share one block size, got {sorted(sizes)}")
-        if not 0 <= match_threshold <= 1:
-            raise ConfigError(f"match_threshold must be in [0, 1], got {match_threshold}")
-        if balance_threshold < 0 or backoff_s < 0 or max_backoff_s < backoff_s:
-            raise ConfigError("need balance_threshold >= 0 and 0 <= backoff_s <= max_backoff_s")
-        if max_attempts is not None and max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
         if names is not None and len(names) != len(replicas):
             raise ConfigError("pass one name per replica")
-        self.policy = check_policy(policy)
-        self.tokenizer = replicas[0].tokenizer
-        self.block_size = replicas[0].block_size
-        self.balance_threshold = balance_threshold
-        self.match_threshold = match_threshold
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.max_attempts = max_attempts or len(replicas)
-        self.health_timeout_s = health_timeout_s
-        self.max_sessions = max_sessions
-        self._replicas = build_replicas(replicas, names, index_blocks)
-        lock = threading.Lock()
-        self._lock = lock
-        self._follow_events(kv_events, event_index_blocks)
-        self._selector = Selector(
-            self._replicas,
-            lock,
-            policy=self.policy,
-            tokenizer=self.tokenizer,
-            block_size=self.block_size,
-            balance_threshold=balance_threshold,
-            match_threshold=match_threshold,
-            max_sessions=max_sessions,
-        )
-        self._health = ReplicaHealth(
-            self._replicas,
-            lock,
+        self.settings = RouterSettings(
+            policy,
+            balance_threshold,
+            match_threshold,
+            max_sessions,
+            max_attempts=len(replicas) if max_attempts is None else max_attempts,
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
             health_timeout_s=health_timeout_s,
         )
-        self._dispatch = Dispatcher(self._selector, self._health, self.max_attempts)
+        self.policy = policy
+        self.tokenizer = replicas[0].tokenizer
+        self.block_size = replicas[0].block_size
+        self._replicas = build_replicas(replicas, names, index_blocks)
+        lock = threading.Lock()
+        self._lock = lock
+        self._follow_events(kv_events, event_index_blocks)
+        self._selector = Selector(self._replicas, lock, self.settings)
+        self._health = ReplicaHealth(self._replicas, lock, self.settings)
+        self._dispatch = Dispatcher(self._selector, self._health, self.settings.max_attempts)
 
     @classmethod
     def from_urls(
