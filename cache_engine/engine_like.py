@@ -10,12 +10,25 @@ Importing this module loads no torch.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any, Protocol, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
+
 Prompt = str | Sequence[int]
+
+
+def is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """Whether ``generate``'s ``prompts`` is one prompt (a string, or token ids: an empty
+    list counts as one, empty, prompt) rather than a list of them."""
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, Sequence) and (
+        not prompts or not isinstance(prompts[0], str | Sequence)
+    )
 
 
 class EngineLike(Protocol):
@@ -171,4 +184,5 @@ __all__ = [
     "ProbesPrefix",
     "Prompt",
     "ReportsHealth",
+    "is_single_prompt",
 ]

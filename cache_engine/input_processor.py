@@ -16,10 +16,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
+from ragkv.cache_engine.engine_like import Prompt, is_single_prompt
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import make_generator
@@ -27,10 +28,6 @@ from ragkv.cache_engine.sampling_params import SamplingParams, check_vocabulary,
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
 
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
-
-Prompt = str | Sequence[int]
 ChunkSpans = Sequence[tuple[int, int]]
 
 
@@ -228,7 +225,7 @@ def pair_prompts(
     params: SamplingParams | Sequence[SamplingParams] | None,
 ) -> tuple[bool, list[Prompt], list[SamplingParams]]:
     """``generate``'s arguments as (one prompt given?, prompts, one SamplingParams each)."""
-    batch: list[Prompt] = [prompts] if (single := _is_single_prompt(prompts)) else list(prompts)
+    batch: list[Prompt] = [prompts] if (single := is_single_prompt(prompts)) else list(prompts)
     if not batch:
         raise InvalidInputError("generate() needs at least one prompt", param="prompt")
     if params is None or isinstance(params, SamplingParams | Mapping | str):
@@ -279,11 +276,3 @@ def per_prompt_hashes(
             param="prompt_hashes",
         )
     return list(prompt_hashes)
-
-
-def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):
-        return True
-    return isinstance(prompts, Sequence) and not prompts

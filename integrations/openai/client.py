@@ -23,11 +23,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import httpx
 
 from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.engine_like import Prompt, is_single_prompt
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import InvalidInputError, RemoteEngineError
@@ -41,12 +42,8 @@ from ragkv.integrations.openai.client_reader import (
 )
 from ragkv.integrations.openai.tokenizer import load_tokenizer
 
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
-
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -158,7 +155,7 @@ class RemoteEngine:
         """One prompt → an :class:`Output`; a list of prompts → a list, sent one by one.
         Keyword settings (``max_tokens=64``, ...) change ``params`` as in ``Engine.generate``."""
         params = resolve_params(params, sampling)
-        if _is_single(prompts):
+        if is_single_prompt(prompts):
             return self._generate_one(prompts, params, cache_salt)
         return [self._generate_one(p, params, cache_salt) for p in prompts]
 
@@ -427,14 +424,6 @@ class RemoteEngine:
             with contextlib.suppress(ValueError):  # an HTTP date: keep the backoff
                 delay = max(delay, min(float(retry_after), self.max_backoff_s))
         return delay
-
-
-def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    return isinstance(prompts, Sequence) and (
-        not prompts or not isinstance(prompts[0], str | Sequence)
-    )
 
 
 def _refuses_token_ids(message: str) -> bool:

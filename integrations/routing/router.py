@@ -20,9 +20,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
-from ragkv.cache_engine.engine_like import Closes, ClosesAsync, EngineLike, Prompt
+from ragkv.cache_engine.engine_like import (
+    Closes,
+    ClosesAsync,
+    EngineLike,
+    Prompt,
+    is_single_prompt,
+)
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import ConfigError
@@ -38,9 +44,6 @@ from ragkv.integrations.routing.replica import (
 from ragkv.integrations.routing.replica_events import EngineFeed, EventFeed, ReplicaEvents
 from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session_scope
 from ragkv.integrations.routing.settings import RouterSettings
-
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 
 class ReplicaRouter:
@@ -226,7 +229,7 @@ class ReplicaRouter:
         session_id: str | None = None,
     ) -> Output | list[Output]:
         """One prompt → an :class:`Output`; a list → a list, each prompt routed on its own."""
-        if _is_single(prompts):
+        if is_single_prompt(prompts):
             return self._generate_one(prompts, params, cache_salt, session_id)
         return [self._generate_one(p, params, cache_salt, session_id) for p in prompts]
 
@@ -350,14 +353,6 @@ class ReplicaRouter:
     ) -> Output:
         route = self._selector.route(prompt, cache_salt, session_id)
         return self._dispatch.generate(route, prompt, params, cache_salt)
-
-
-def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    return isinstance(prompts, Sequence) and (
-        not prompts or not isinstance(prompts[0], str | Sequence)
-    )
 
 
 __all__ = ["DEFAULT_INDEX_BLOCKS", "ReplicaRouter", "ReplicaStats", "RouterStats"]
