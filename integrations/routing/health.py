@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ragkv.cache_engine.engine_like import ChecksHealth, ReportsHealth
@@ -38,18 +39,16 @@ def failure_kind(exc: BaseException) -> str | None:
     return None
 
 
+@dataclass(slots=True)
 class ReplicaHealth:
     """The breaker over ``replicas``: marks them down and probes them back.
 
     Shares the router's ``lock``; :meth:`mark_down` expects it held, :meth:`revive` takes it.
     """
 
-    def __init__(
-        self, replicas: list[Replica], lock: threading.Lock, settings: RouterSettings
-    ) -> None:
-        self.replicas = replicas
-        self.lock = lock
-        self.settings = settings
+    replicas: list[Replica]
+    lock: threading.Lock
+    settings: RouterSettings
 
     def mark_down(self, replica: Replica) -> None:
         """Skip ``replica`` for a backoff (doubling per consecutive failure) and forget its
