@@ -240,39 +240,24 @@ def pair_prompts(
     return single, batch, params_list
 
 
-def per_prompt_spans(
-    chunk_spans: Any, single: bool, num_prompts: int
-) -> list[ChunkSpans | None] | None:
-    """``generate``'s ``chunk_spans`` as one entry per prompt (None: no spans anywhere)."""
-    if chunk_spans is None:
+def per_prompt(
+    value: Any, single: bool, num_prompts: int, name: str, each: str
+) -> list[Any] | None:
+    """A ``generate`` argument that goes with each prompt (``chunk_spans``,
+    ``prompt_hashes``) as one entry per prompt: None when not given, else the one prompt's,
+    or the list given for many, which must hold one ``each`` (or None) per prompt."""
+    if value is None:
         return None
     if single:
-        return [chunk_spans]
+        return [value]
     if (
-        isinstance(chunk_spans, str | bytes)
-        or not isinstance(chunk_spans, Sequence)
-        or len(chunk_spans) != num_prompts
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or len(value) != num_prompts
     ):
         raise InvalidInputError(
-            f"for {num_prompts} prompts, chunk_spans must be a list of {num_prompts} span "
-            "lists (or None each)",
-            param="chunk_spans",
+            f"for {num_prompts} prompts, {name} must be a list of {num_prompts} {each} "
+            "(or None each)",
+            param=name,
         )
-    return list(chunk_spans)
-
-
-def per_prompt_hashes(
-    prompt_hashes: Any, single: bool, num_prompts: int
-) -> list[PromptHashes | None] | None:
-    """``generate``'s ``prompt_hashes`` as one entry per prompt (None: none anywhere)."""
-    if prompt_hashes is None:
-        return None
-    if single:
-        return [prompt_hashes]
-    if not isinstance(prompt_hashes, Sequence) or len(prompt_hashes) != num_prompts:
-        raise InvalidInputError(
-            f"for {num_prompts} prompts, prompt_hashes must be a list of {num_prompts} "
-            "PromptHashes (or None each)",
-            param="prompt_hashes",
-        )
-    return list(prompt_hashes)
+    return list(value)
