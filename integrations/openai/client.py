@@ -23,12 +23,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any, overload
+from typing import Any
 
 import httpx
 
 from ragkv.cache_engine.config import DEFAULTS
-from ragkv.cache_engine.engine_like import Prompt, is_single_prompt
+from ragkv.cache_engine.engine_like import ForwardingEngine, Prompt
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import InvalidInputError, RemoteEngineError
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-class RemoteEngine:
+class RemoteEngine(ForwardingEngine):
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
     ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``tokenizer`` is the server
@@ -125,39 +125,6 @@ class RemoteEngine:
                     status_code=response.status_code,
                 ) from exc
         return self._model
-
-    @overload
-    def generate(
-        self,
-        prompts: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> Output: ...
-    @overload
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> list[Output]: ...
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> Output | list[Output]:
-        """One prompt → an :class:`Output`; a list of prompts → a list, sent one by one.
-        Keyword settings (``max_tokens=64``, ...) change ``params`` as in ``Engine.generate``."""
-        params = resolve_params(params, sampling)
-        if is_single_prompt(prompts):
-            return self._generate_one(prompts, params, cache_salt)
-        return [self._generate_one(p, params, cache_salt) for p in prompts]
 
     def stream(
         self,
@@ -254,24 +221,14 @@ class RemoteEngine:
             self._aclient = None
         self._client.close()
 
-    def __enter__(self) -> RemoteEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> RemoteEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     # -- requests ---------------------------------------------------------------------------
     def _generate_one(
-        self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None
+        self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None, **sampling: Any
     ) -> Output:
+        """:meth:`generate` for one prompt; keyword settings change ``params`` as in
+        ``Engine.generate``."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, params, cache_salt, stream=False)
+        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=False)
         response = self._send(payload, stream=True)
         try:
             body = answer_json(response.iter_bytes(), start + self.deadline_s)

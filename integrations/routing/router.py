@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
-from typing import Any, overload
+from typing import Any
 
 from ragkv.cache_engine.engine_like import (
     Closes,
     ClosesAsync,
     EngineLike,
+    ForwardingEngine,
     Prompt,
-    is_single_prompt,
 )
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session
 from ragkv.integrations.routing.settings import RouterSettings
 
 
-class ReplicaRouter:
+class ReplicaRouter(ForwardingEngine):
     """An :class:`EngineLike` that routes each request to one of ``replicas``.
 
     ``replicas`` are EngineLike objects serving the same model with the same tokenizer and
@@ -200,39 +200,6 @@ class ReplicaRouter:
         to ``session_id``: a follow-up prefers its session's previous replica."""
         return session_scope(session_id)
 
-    # The ignore: a str is also a Sequence[str], so the two overlap; the first (one prompt)
-    # is the one that applies to a str, as at run time.
-    @overload
-    def generate(  # type: ignore[overload-overlap]
-        self,
-        prompts: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> Output: ...
-    @overload
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> list[Output]: ...
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> Output | list[Output]:
-        """One prompt → an :class:`Output`; a list → a list, each prompt routed on its own."""
-        if is_single_prompt(prompts):
-            return self._generate_one(prompts, params, cache_salt, session_id)
-        return [self._generate_one(p, params, cache_salt, session_id) for p in prompts]
-
     def stream(
         self,
         prompt: Prompt,
@@ -300,18 +267,6 @@ class ReplicaRouter:
             elif isinstance(r.engine, Closes):
                 r.engine.close()
 
-    def __enter__(self) -> ReplicaRouter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> ReplicaRouter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     def _follow_events(
         self, kv_events: bool | Sequence[EventFeed | None] | None, capacity: int
     ) -> None:
@@ -349,8 +304,10 @@ class ReplicaRouter:
         prompt: Prompt,
         params: SamplingParams | None,
         cache_salt: str | None,
-        session_id: str | None,
+        session_id: str | None = None,
     ) -> Output:
+        """:meth:`generate` for one prompt, routed on its own (``session_id`` as in
+        :meth:`stream`)."""
         route = self._selector.route(prompt, cache_salt, session_id)
         return self._dispatch.generate(route, prompt, params, cache_salt)
 
