@@ -142,13 +142,7 @@ class Assembler:
         self.template = PromptTemplate(self.tokenizer, config.layout, config.chat_template)
         self.demote_invalidators = config.demote_invalidators
         self.tracker = stability if stability is not None else StabilityTracker()
-        self.splitter = SystemSplitter(
-            self.tokenizer.decode,
-            block_size=config.block_size,
-            hash_algo=self.registry.hash,
-            demote_invalidators=config.demote_invalidators,
-            invalidator_after=config.invalidator_after,
-        )
+        self.splitter = SystemSplitter(self.tokenizer.decode, config, self.registry.hash)
         self.slots = self.splitter.slots
         self.tree = ChunkPrefixTree(config.tree_max_nodes)
         self.sent = SentPrefixes(config.block_size, config.sent_max_blocks)

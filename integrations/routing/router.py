@@ -105,7 +105,6 @@ class ReplicaRouter(ForwardingEngine):
             max_backoff_s=max_backoff_s,
             health_timeout_s=health_timeout_s,
         )
-        self.policy = policy
         self.tokenizer = replicas[0].tokenizer
         self.block_size = replicas[0].block_size
         self._replicas = build_replicas(replicas, names, index_blocks)
@@ -190,6 +189,10 @@ class ReplicaRouter(ForwardingEngine):
     @property
     def model_name(self) -> str:
         return self._replicas[0].engine.model_name
+
+    @property
+    def policy(self) -> str:
+        return self.settings.policy
 
     @property
     def replicas(self) -> list[EngineLike]:
