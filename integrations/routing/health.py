@@ -39,7 +39,7 @@ def failure_kind(exc: BaseException) -> str | None:
     return None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # a breaker is itself, not its contents
 class ReplicaHealth:
     """The breaker over ``replicas``: marks them down and probes them back.
 
