@@ -49,7 +49,7 @@ from ragkv.assembler.sent import SentPrefixes
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike
 from ragkv.assembler.system_split import SystemSplitter
-from ragkv.assembler.template import Layout, Piece, PromptTemplate
+from ragkv.assembler.template import Layout, PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
@@ -64,12 +64,11 @@ hashes of its token ids, as ``plan.prompt_hashes``."""
 @dataclass(slots=True)
 class _Draft:
     """What the locked step decided for one request: its regions (chunks over the budget
-    dropped), frame, head key, candidate chunk orders (preferred first) and the never-worse
+    dropped), head key, candidate chunk orders (preferred first) and the never-worse
     slack."""
 
     stats: AssemblyStats
     regions: Regions
-    frame: tuple[Piece, ...]
     dropped: list[Segment]
     key: bytes
     orders: list[list[Segment]]
@@ -280,16 +279,16 @@ class Assembler:
         head, tail, boundary_slack = self.splitter.place(tokenized.statics, stats, learn)
         chunks = tokenized.chunks
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats, chunk_order)
-        regions = Regions(head, chunks, tail, tokenized.turns, tokenized.question)
         template = self.template
-        frame = template.frame(tuple(turn.role or "" for turn in regions.turns))
+        frame = template.frame(tuple(turn.role or "" for turn in tokenized.turns))
+        regions = Regions(head, chunks, tail, tokenized.turns, tokenized.question, frame)
 
         dropped: list[Segment] = []
         if max_prompt_tokens is not None:
             regions.chunks, dropped = fit_budget(
                 chunks,
                 max_prompt_tokens,
-                lambda kept: prompt_length(template, regions, frame, kept),
+                lambda kept: prompt_length(template, regions, kept),
             )
         key = head_key(head)
         if chunk_order is None:
@@ -301,20 +300,20 @@ class Assembler:
                 if walked != orders[0]:
                     orders.append(walked)
         slack = self.never_worse_slack + (boundary_slack if self._boundary_slack else 0)
-        return _Draft(stats, regions, frame, dropped, key, orders, slack)
+        return _Draft(stats, regions, dropped, key, orders, slack)
 
     def _candidates(
         self, draft: _Draft, tokenized: TokenizedRequest, max_prompt_tokens: int | None
     ) -> tuple[list[Candidate], bool]:
         """The draft's orders built into prompts, preferred first, and the as-given prompt
         last when it differs (then True); request-local, so built outside the lock."""
-        template, regions, frame = self.template, draft.regions, draft.frame
+        template, regions = self.template, draft.regions
         candidates = [
-            Candidate(build_plan(template, regions, frame, order, draft.stats), draft.key, order)
+            Candidate(build_plan(template, regions, order, draft.stats), draft.key, order)
             for order in draft.orders
         ]
         if self.never_worse:
-            given = as_given(template, tokenized, regions, frame, max_prompt_tokens)
+            given = as_given(template, tokenized, regions, max_prompt_tokens)
             if given is not None and given.plan.token_ids != candidates[0].plan.token_ids:
                 candidates.append(given)
                 return candidates, True
