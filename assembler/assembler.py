@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, Unpack
 
 from ragkv.assembler.budget import fit_budget
 from ragkv.assembler.build import Regions, build_plan, head_key, prompt_length
-from ragkv.assembler.config import AssemblerConfig
+from ragkv.assembler.config import AssemblerConfig, AssemblerSettings
 from ragkv.assembler.never_worse import Candidate, as_given, choose
 from ragkv.assembler.ordering import (
     cache_aware_order,
@@ -49,7 +49,7 @@ from ragkv.assembler.sent import SentPrefixes
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike
 from ragkv.assembler.system_split import SystemSplitter
-from ragkv.assembler.template import Layout, PromptTemplate
+from ragkv.assembler.template import PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
@@ -103,32 +103,9 @@ class Assembler:
         config: AssemblerConfig | None = None,
         residency: Residency | None = None,
         stability: StabilityTracker | None = None,
-        chat_template: bool | None = None,
-        layout: Layout | None = None,
-        demote_invalidators: bool | None = None,
-        invalidator_after: int | None = None,
-        tree_max_nodes: int | None = None,
-        measure_seams: bool | None = None,
-        collapse_duplicates: bool | None = None,
-        never_worse: bool | None = None,
-        never_worse_slack: int | None = None,
-        sent_max_blocks: int | None = None,
+        **settings: Unpack[AssemblerSettings],
     ) -> None:
-        settings = {
-            "block_size": block_size,
-            "order": order,
-            "chat_template": chat_template,
-            "layout": layout,
-            "demote_invalidators": demote_invalidators,
-            "invalidator_after": invalidator_after,
-            "tree_max_nodes": tree_max_nodes,
-            "measure_seams": measure_seams,
-            "collapse_duplicates": collapse_duplicates,
-            "never_worse": never_worse,
-            "never_worse_slack": never_worse_slack,
-            "sent_max_blocks": sent_max_blocks,
-        }
-        config = _config(config, {k: v for k, v in settings.items() if v is not None})
+        config = _config(config, {"block_size": block_size, "order": order, **settings})
         self.config = config
         self.tokenizer = text_tokenizer(tokenizer)
         self.block_size = config.block_size
@@ -394,8 +371,12 @@ def _probe(residency: Residency, candidate: Candidate) -> int:
     return answer
 
 
-def _config(config: AssemblerConfig | None, settings: dict[str, Any]) -> AssemblerConfig:
-    """``config``, or one built from the keyword ``settings``; never both."""
+def _config(config: AssemblerConfig | None, keywords: dict[str, Any]) -> AssemblerConfig:
+    """``config``, or one built from the keyword settings that are not None; never both."""
+    unknown = keywords.keys() - {field.name for field in fields(AssemblerConfig)}
+    if unknown:  # what a keyword parameter would refuse, and the same error
+        raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+    settings = {name: value for name, value in keywords.items() if value is not None}
     if config is None:
         return AssemblerConfig(**settings)
     if settings:
