@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, Unpack
 
 from ragkv.assembler.budget import fit_budget
 from ragkv.assembler.build import Regions, build_plan, head_key, prompt_length
-from ragkv.assembler.config import AssemblerConfig
+from ragkv.assembler.config import AssemblerConfig, AssemblerSettings
 from ragkv.assembler.never_worse import Candidate, as_given, choose
 from ragkv.assembler.ordering import (
     cache_aware_order,
@@ -49,7 +49,7 @@ from ragkv.assembler.sent import SentPrefixes
 from ragkv.assembler.stability import StabilityTracker
 from ragkv.assembler.structured import SystemLike
 from ragkv.assembler.system_split import SystemSplitter
-from ragkv.assembler.template import Layout, Piece, PromptTemplate
+from ragkv.assembler.template import PromptTemplate
 from ragkv.assembler.tokenization import text_tokenizer
 from ragkv.dedup import Chunk, ChunkRegistry, content_hash
 from ragkv.errors import ConfigError, InvalidInputError
@@ -64,12 +64,11 @@ hashes of its token ids, as ``plan.prompt_hashes``."""
 @dataclass(slots=True)
 class _Draft:
     """What the locked step decided for one request: its regions (chunks over the budget
-    dropped), frame, head key, candidate chunk orders (preferred first) and the never-worse
+    dropped), head key, candidate chunk orders (preferred first) and the never-worse
     slack."""
 
     stats: AssemblyStats
     regions: Regions
-    frame: tuple[Piece, ...]
     dropped: list[Segment]
     key: bytes
     orders: list[list[Segment]]
@@ -104,32 +103,9 @@ class Assembler:
         config: AssemblerConfig | None = None,
         residency: Residency | None = None,
         stability: StabilityTracker | None = None,
-        chat_template: bool | None = None,
-        layout: Layout | None = None,
-        demote_invalidators: bool | None = None,
-        invalidator_after: int | None = None,
-        tree_max_nodes: int | None = None,
-        measure_seams: bool | None = None,
-        collapse_duplicates: bool | None = None,
-        never_worse: bool | None = None,
-        never_worse_slack: int | None = None,
-        sent_max_blocks: int | None = None,
+        **settings: Unpack[AssemblerSettings],
     ) -> None:
-        settings = {
-            "block_size": block_size,
-            "order": order,
-            "chat_template": chat_template,
-            "layout": layout,
-            "demote_invalidators": demote_invalidators,
-            "invalidator_after": invalidator_after,
-            "tree_max_nodes": tree_max_nodes,
-            "measure_seams": measure_seams,
-            "collapse_duplicates": collapse_duplicates,
-            "never_worse": never_worse,
-            "never_worse_slack": never_worse_slack,
-            "sent_max_blocks": sent_max_blocks,
-        }
-        config = _config(config, {k: v for k, v in settings.items() if v is not None})
+        config = _config(config, {"block_size": block_size, "order": order, **settings})
         self.config = config
         self.tokenizer = text_tokenizer(tokenizer)
         self.block_size = config.block_size
@@ -142,13 +118,7 @@ class Assembler:
         self.template = PromptTemplate(self.tokenizer, config.layout, config.chat_template)
         self.demote_invalidators = config.demote_invalidators
         self.tracker = stability if stability is not None else StabilityTracker()
-        self.splitter = SystemSplitter(
-            self.tokenizer.decode,
-            block_size=config.block_size,
-            hash_algo=self.registry.hash,
-            demote_invalidators=config.demote_invalidators,
-            invalidator_after=config.invalidator_after,
-        )
+        self.splitter = SystemSplitter(self.tokenizer.decode, config, self.registry.hash)
         self.slots = self.splitter.slots
         self.tree = ChunkPrefixTree(config.tree_max_nodes)
         self.sent = SentPrefixes(config.block_size, config.sent_max_blocks)
@@ -286,16 +256,16 @@ class Assembler:
         head, tail, boundary_slack = self.splitter.place(tokenized.statics, stats, learn)
         chunks = tokenized.chunks
         ranks = self._classify_chunks(chunks, overrides.get(SegmentKind.CHUNK), stats, chunk_order)
-        regions = Regions(head, chunks, tail, tokenized.turns, tokenized.question)
         template = self.template
-        frame = template.frame(tuple(turn.role or "" for turn in regions.turns))
+        frame = template.frame(tuple(turn.role or "" for turn in tokenized.turns))
+        regions = Regions(head, chunks, tail, tokenized.turns, tokenized.question, frame)
 
         dropped: list[Segment] = []
         if max_prompt_tokens is not None:
             regions.chunks, dropped = fit_budget(
                 chunks,
                 max_prompt_tokens,
-                lambda kept: prompt_length(template, regions, frame, kept),
+                lambda kept: prompt_length(template, regions, kept),
             )
         key = head_key(head)
         if chunk_order is None:
@@ -307,20 +277,20 @@ class Assembler:
                 if walked != orders[0]:
                     orders.append(walked)
         slack = self.never_worse_slack + (boundary_slack if self._boundary_slack else 0)
-        return _Draft(stats, regions, frame, dropped, key, orders, slack)
+        return _Draft(stats, regions, dropped, key, orders, slack)
 
     def _candidates(
         self, draft: _Draft, tokenized: TokenizedRequest, max_prompt_tokens: int | None
     ) -> tuple[list[Candidate], bool]:
         """The draft's orders built into prompts, preferred first, and the as-given prompt
         last when it differs (then True); request-local, so built outside the lock."""
-        template, regions, frame = self.template, draft.regions, draft.frame
+        template, regions = self.template, draft.regions
         candidates = [
-            Candidate(build_plan(template, regions, frame, order, draft.stats), draft.key, order)
+            Candidate(build_plan(template, regions, order, draft.stats), draft.key, order)
             for order in draft.orders
         ]
         if self.never_worse:
-            given = as_given(template, tokenized, regions, frame, max_prompt_tokens)
+            given = as_given(template, tokenized, regions, max_prompt_tokens)
             if given is not None and given.plan.token_ids != candidates[0].plan.token_ids:
                 candidates.append(given)
                 return candidates, True
@@ -401,8 +371,12 @@ def _probe(residency: Residency, candidate: Candidate) -> int:
     return answer
 
 
-def _config(config: AssemblerConfig | None, settings: dict[str, Any]) -> AssemblerConfig:
-    """``config``, or one built from the keyword ``settings``; never both."""
+def _config(config: AssemblerConfig | None, keywords: dict[str, Any]) -> AssemblerConfig:
+    """``config``, or one built from the keyword settings that are not None; never both."""
+    unknown = keywords.keys() - {field.name for field in fields(AssemblerConfig)}
+    if unknown:  # what a keyword parameter would refuse, and the same error
+        raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+    settings = {name: value for name, value in keywords.items() if value is not None}
     if config is None:
         return AssemblerConfig(**settings)
     if settings:

@@ -28,10 +28,13 @@ from ragkv.dedup import content_hash
 
 @dataclass(slots=True)
 class Regions:
-    """One request's segments, grouped by region of the layout.
+    """One request's segments, grouped by region of the layout, and the template's frame
+    around them.
 
     ``head`` and ``tail`` are items of the system message before and after the chunks; an
     item is a group of segments written back to back (a split slot's stable parts).
+    ``frame`` is ``template.frame`` of the turns' roles: the pieces before the system
+    message, before each turn and the question, and after the question.
     """
 
     head: list[Group]
@@ -39,6 +42,7 @@ class Regions:
     tail: list[Group]
     turns: list[Segment]
     question: Segment
+    frame: tuple[Piece, ...]
 
 
 def head_key(head: list[Group]) -> bytes:
@@ -55,15 +59,10 @@ def _items(regions: Regions, chunks: Sequence[Segment]) -> list[Any]:
     return items
 
 
-def prompt_length(
-    template: PromptTemplate,
-    regions: Regions,
-    frame: tuple[Piece, ...],
-    chunks: Sequence[Segment],
-) -> int:
+def prompt_length(template: PromptTemplate, regions: Regions, chunks: Sequence[Segment]) -> int:
     """Tokens of the prompt :func:`build_plan` would build with these ``chunks``."""
     items = _items(regions, chunks)
-    total = sum(len(p.token_ids) for p in frame) + len(regions.question.token_ids)
+    total = sum(len(p.token_ids) for p in regions.frame) + len(regions.question.token_ids)
     total += sum(len(t.token_ids) for t in regions.turns)
     total += max(0, len(items) - 1) * len(template.separator.token_ids)
     for item in items:
@@ -78,13 +77,10 @@ def prompt_length(
 
 
 def build_plan(
-    template: PromptTemplate,
-    regions: Regions,
-    frame: tuple[Piece, ...],
-    chunks: list[Segment],
-    stats: AssemblyStats,
+    template: PromptTemplate, regions: Regions, chunks: list[Segment], stats: AssemblyStats
 ) -> PromptPlan:
     """Concatenate frame pieces, separators and segment token ids; record the spans."""
+    frame = regions.frame
     ids: list[int] = []
     texts: list[str] = []
     spans: list[SegmentSpan] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ragkv.assembler.ordering import check_order
 from ragkv.assembler.template import Layout
@@ -71,3 +71,19 @@ class AssemblerConfig:
     def replace(self, **changes: Any) -> AssemblerConfig:
         """A copy with some settings changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+class AssemblerSettings(TypedDict, total=False):
+    """:class:`AssemblerConfig`'s settings as an ``Assembler``'s keywords (None, or left out:
+    the config's default); ``block_size`` and ``order`` are its positional parameters."""
+
+    chat_template: bool | None
+    layout: Layout | None
+    demote_invalidators: bool | None
+    invalidator_after: int | None
+    tree_max_nodes: int | None
+    measure_seams: bool | None
+    collapse_duplicates: bool | None
+    never_worse: bool | None
+    never_worse_slack: int | None
+    sent_max_blocks: int | None

@@ -22,7 +22,7 @@ from ragkv.assembler.ordering import retrieval_order
 from ragkv.assembler.plan import AssemblyStats, PromptPlan
 from ragkv.assembler.segmenter import TokenizedRequest
 from ragkv.assembler.segments import Segment, SegmentKind
-from ragkv.assembler.template import Piece, PromptTemplate
+from ragkv.assembler.template import PromptTemplate
 
 
 @dataclass(slots=True)
@@ -40,7 +40,6 @@ def as_given(
     template: PromptTemplate,
     tokenized: TokenizedRequest,
     regions: Regions,
-    frame: tuple[Piece, ...],
     max_prompt_tokens: int | None,
 ) -> Candidate | None:
     """The application's own order: statics whole and first, chunks as retrieved (None when
@@ -48,9 +47,9 @@ def as_given(
     system = [s for s in tokenized.statics if s.kind is SegmentKind.SYSTEM]
     head = [system] if system else []
     head += [[s] for s in tokenized.statics if s.kind is not SegmentKind.SYSTEM]
-    given = Regions(head, regions.chunks, [], regions.turns, regions.question)
+    given = Regions(head, regions.chunks, [], regions.turns, regions.question, regions.frame)
     order = retrieval_order(regions.chunks)
-    plan = build_plan(template, given, frame, order, AssemblyStats(order="retrieval"))
+    plan = build_plan(template, given, order, AssemblyStats(order="retrieval"))
     if max_prompt_tokens is not None and len(plan.token_ids) > max_prompt_tokens:
         return None
     return Candidate(plan, head_key(head), order)

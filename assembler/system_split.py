@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from ragkv.assembler.boundaries import is_boundary, last_boundary, next_boundary
+from ragkv.assembler.config import AssemblerConfig
 from ragkv.assembler.plan import AssemblyStats
 from ragkv.assembler.segments import Segment, SegmentKind, Stability
 from ragkv.assembler.slots import SlotLearner, SlotSplit
@@ -31,19 +32,12 @@ class SystemSplitter:
     """Places static segments before or after the chunks, learning which parts change."""
 
     def __init__(
-        self,
-        decode: Callable[[Sequence[int]], str],
-        *,
-        block_size: int,
-        hash_algo: str,
-        demote_invalidators: bool,
-        invalidator_after: int,
+        self, decode: Callable[[Sequence[int]], str], config: AssemblerConfig, hash_algo: str
     ) -> None:
         self.decode = decode
-        self.block_size = block_size
+        self.config = config  # block_size, demote_invalidators, invalidator_after
         self.hash_algo = hash_algo
-        self.demote_invalidators = demote_invalidators
-        self.slots = SlotLearner(block_size, after=invalidator_after)
+        self.slots = SlotLearner(config.block_size, after=config.invalidator_after)
         self._cuts: OrderedDict[tuple[bool, int, bytes], tuple[int, str]] = OrderedDict()
 
     def learn(self, segments: Iterable[Segment]) -> None:
@@ -82,7 +76,7 @@ class SystemSplitter:
             moved: Group = []
             if split is not None:
                 flagged.append(segment.slot)
-                if self.demote_invalidators:
+                if self.config.demote_invalidators:
                     demoted.append(segment.slot)
                     stay, moved, kept_head = self._cut(segment, split.head, split.tail)
                     boundary_slack += self._boundary_price(split, kept_head)
@@ -111,7 +105,7 @@ class SystemSplitter:
         """
         if kept_head == 0:
             return 0
-        price = split.head - kept_head + self.block_size
+        price = split.head - kept_head + self.config.block_size
         return max(0, min(price, _MAX_BOUNDARY_PRICE))
 
     def _cut(self, segment: Segment, head: int, tail: int) -> tuple[Group, Group, int]:

@@ -20,8 +20,7 @@ from ragkv.cache_engine.input_processor import (
     Prompt,
     PromptHashes,
     pair_prompts,
-    per_prompt_hashes,
-    per_prompt_spans,
+    per_prompt,
 )
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
@@ -91,8 +90,8 @@ class EngineCalls:
         single, batch, params_list = pair_prompts(prompts, params)
         if sampling:
             params_list = [resolve_params(p, sampling) for p in params_list]
-        spans = per_prompt_spans(chunk_spans, single, len(batch))
-        hashes = per_prompt_hashes(prompt_hashes, single, len(batch))
+        spans = per_prompt(chunk_spans, single, len(batch), "chunk_spans", "span lists")
+        hashes = per_prompt(prompt_hashes, single, len(batch), "prompt_hashes", "PromptHashes")
         events: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         ids = self._start(
             batch, params_list, cache_salt, return_logits, events.put, spans, reuse, hashes

@@ -9,13 +9,26 @@ Importing this module loads no torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any, Protocol, overload, runtime_checkable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Self, overload, runtime_checkable
 
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
+
 Prompt = str | Sequence[int]
+
+
+def is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """Whether ``generate``'s ``prompts`` is one prompt (a string, or token ids: an empty
+    list counts as one, empty, prompt) rather than a list of them."""
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, Sequence) and (
+        not prompts or not isinstance(prompts[0], str | Sequence)
+    )
 
 
 class EngineLike(Protocol):
@@ -93,6 +106,64 @@ class EngineLike(Protocol):
         ...
 
 
+class ForwardingEngine:
+    """What the engines that forward each request elsewhere share (``RemoteEngine`` to a
+    server, ``ReplicaRouter`` to a replica): :meth:`generate` over one prompt or a list,
+    each prompt sent on its own, and ``with`` / ``async with`` blocks that close them."""
+
+    # Provided by the engine: one prompt's request (``options``: its own keywords), and
+    # what releases its connections.
+    _generate_one: Callable[..., Output]
+    close: Callable[[], None]
+    aclose: Callable[[], Awaitable[None]]
+
+    @overload
+    def generate(
+        self,
+        prompts: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **options: Any,
+    ) -> Output: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **options: Any,
+    ) -> list[Output]: ...
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        **options: Any,
+    ) -> Output | list[Output]:
+        """One prompt → an :class:`Output`; a list of prompts → a list, each prompt sent (or
+        routed) on its own, in order. ``options`` are the engine's own keywords (for
+        ``RemoteEngine``, settings that change ``params``; for ``ReplicaRouter``,
+        ``session_id``)."""
+        if is_single_prompt(prompts):
+            return self._generate_one(prompts, params, cache_salt, **options)
+        return [self._generate_one(p, params, cache_salt, **options) for p in prompts]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
 # Optional capabilities: an engine may offer them on top of EngineLike. Callers test with
 # isinstance (these check that the member exists, not its signature or value).
 
@@ -165,10 +236,12 @@ __all__ = [
     "Closes",
     "ClosesAsync",
     "EngineLike",
+    "ForwardingEngine",
     "KnowsContextLength",
     "KnowsPoolSize",
     "MayReuseChunks",
     "ProbesPrefix",
     "Prompt",
     "ReportsHealth",
+    "is_single_prompt",
 ]

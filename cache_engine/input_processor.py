@@ -16,10 +16,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.chunk_reuse import BlendConfig, check_chunk_spans
+from ragkv.cache_engine.engine_like import Prompt, is_single_prompt
 from ragkv.cache_engine.output_processor import OutputProcessor, RequestState
 from ragkv.cache_engine.request import Request
 from ragkv.cache_engine.sampler import make_generator
@@ -27,10 +28,6 @@ from ragkv.cache_engine.sampling_params import SamplingParams, check_vocabulary,
 from ragkv.cache_engine.scheduler import Scheduler
 from ragkv.errors import InvalidInputError, PromptTooLongError
 
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
-
-Prompt = str | Sequence[int]
 ChunkSpans = Sequence[tuple[int, int]]
 
 
@@ -228,7 +225,7 @@ def pair_prompts(
     params: SamplingParams | Sequence[SamplingParams] | None,
 ) -> tuple[bool, list[Prompt], list[SamplingParams]]:
     """``generate``'s arguments as (one prompt given?, prompts, one SamplingParams each)."""
-    batch: list[Prompt] = [prompts] if (single := _is_single_prompt(prompts)) else list(prompts)
+    batch: list[Prompt] = [prompts] if (single := is_single_prompt(prompts)) else list(prompts)
     if not batch:
         raise InvalidInputError("generate() needs at least one prompt", param="prompt")
     if params is None or isinstance(params, SamplingParams | Mapping | str):
@@ -243,47 +240,24 @@ def pair_prompts(
     return single, batch, params_list
 
 
-def per_prompt_spans(
-    chunk_spans: Any, single: bool, num_prompts: int
-) -> list[ChunkSpans | None] | None:
-    """``generate``'s ``chunk_spans`` as one entry per prompt (None: no spans anywhere)."""
-    if chunk_spans is None:
+def per_prompt(
+    value: Any, single: bool, num_prompts: int, name: str, each: str
+) -> list[Any] | None:
+    """A ``generate`` argument that goes with each prompt (``chunk_spans``,
+    ``prompt_hashes``) as one entry per prompt: None when not given, else the one prompt's,
+    or the list given for many, which must hold one ``each`` (or None) per prompt."""
+    if value is None:
         return None
     if single:
-        return [chunk_spans]
+        return [value]
     if (
-        isinstance(chunk_spans, str | bytes)
-        or not isinstance(chunk_spans, Sequence)
-        or len(chunk_spans) != num_prompts
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or len(value) != num_prompts
     ):
         raise InvalidInputError(
-            f"for {num_prompts} prompts, chunk_spans must be a list of {num_prompts} span "
-            "lists (or None each)",
-            param="chunk_spans",
+            f"for {num_prompts} prompts, {name} must be a list of {num_prompts} {each} "
+            "(or None each)",
+            param=name,
         )
-    return list(chunk_spans)
-
-
-def per_prompt_hashes(
-    prompt_hashes: Any, single: bool, num_prompts: int
-) -> list[PromptHashes | None] | None:
-    """``generate``'s ``prompt_hashes`` as one entry per prompt (None: none anywhere)."""
-    if prompt_hashes is None:
-        return None
-    if single:
-        return [prompt_hashes]
-    if not isinstance(prompt_hashes, Sequence) or len(prompt_hashes) != num_prompts:
-        raise InvalidInputError(
-            f"for {num_prompts} prompts, prompt_hashes must be a list of {num_prompts} "
-            "PromptHashes (or None each)",
-            param="prompt_hashes",
-        )
-    return list(prompt_hashes)
-
-
-def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    if isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str | Sequence):
-        return True
-    return isinstance(prompts, Sequence) and not prompts
+    return list(value)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
@@ -12,11 +12,9 @@ from langchain_core.runnables.utils import AddableDict
 
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import BatchItem
-from ragkv.cache_engine.chunk_reuse import BlendConfig
 from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import SamplingParams
-from ragkv.dedup import Deduplicator
-from ragkv.integrations._pipeline import pipeline_for
+from ragkv.integrations._pipeline import PipelineOptions, pipeline_for
 from ragkv.integrations.langchain.chat_model import ChatRagKV, usage_metadata
 from ragkv.integrations.langchain.documents import document_to_chunk
 from ragkv.pipeline import Answer, AnswerDelta, Pipeline
@@ -27,11 +25,7 @@ def create_rag_chain(
     chat_model: ChatRagKV | Pipeline,
     *,
     system: SystemLike | None = None,
-    deduplicator: Deduplicator | None = None,
-    order: str | None = None,
-    max_prompt_tokens: int | None = None,
-    reuse: str | None = None,
-    blend: BlendConfig | None = None,
+    **options: Unpack[PipelineOptions],
 ) -> Runnable[str | dict[str, Any], dict[str, Any]]:
     """A runnable answering a question from ``retriever``'s documents with ``chat_model``.
 
@@ -71,15 +65,7 @@ def create_rag_chain(
         assert model is not None
         return model.get_engine()
 
-    pipeline = pipeline_for(
-        given,
-        engine,
-        deduplicator=deduplicator,
-        order=order,
-        max_prompt_tokens=max_prompt_tokens,
-        reuse=reuse,
-        blend=blend,
-    )
+    pipeline = pipeline_for(given, engine, **options)
 
     def params() -> SamplingParams | None:  # None: the pipeline's default_params
         return None if model is None else model.sampling_params()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from llama_index.core.base.response.schema import (
     AsyncStreamingResponse,
@@ -16,11 +16,10 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragkv.assembler.structured import SystemLike
 from ragkv.batch import BatchItem
-from ragkv.cache_engine.chunk_reuse import BlendConfig
-from ragkv.dedup import Chunk, Deduplicator
+from ragkv.dedup import Chunk
 from ragkv.dedup.merge import DUPLICATES
 from ragkv.integrations._documents import make_chunk
-from ragkv.integrations._pipeline import pipeline_for
+from ragkv.integrations._pipeline import PipelineOptions, pipeline_for
 from ragkv.integrations.llama_index.llm import RagKVLLM
 from ragkv.pipeline import Answer, Pipeline
 
@@ -63,28 +62,16 @@ class RagKVSynthesizer(BaseSynthesizer):
         llm: RagKVLLM,
         *,
         system: SystemLike | None = None,
-        deduplicator: Deduplicator | None = None,
-        order: str | None = None,
-        max_prompt_tokens: int | None = None,
-        reuse: str | None = None,
-        blend: BlendConfig | None = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = MetadataMode.LLM,
         pipeline: Pipeline | None = None,
+        **options: Unpack[PipelineOptions],
     ) -> None:
         super().__init__(llm=llm, streaming=streaming)
         self._rag_llm = llm  # the base class keeps it typed as any LLM
         self.system = system
         self.metadata_mode = metadata_mode
-        self.pipeline = pipeline_for(
-            pipeline,
-            llm.get_engine,
-            deduplicator=deduplicator,
-            order=order,
-            max_prompt_tokens=max_prompt_tokens,
-            reuse=reuse,
-            blend=blend,
-        )
+        self.pipeline = pipeline_for(pipeline, llm.get_engine, **options)
 
     def _get_prompts(self) -> PromptDictType:
         return {}

@@ -23,11 +23,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any
 
 import httpx
 
 from ragkv.cache_engine.config import DEFAULTS
+from ragkv.cache_engine.engine_like import ForwardingEngine, Prompt
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams, resolve_params
 from ragkv.errors import InvalidInputError, RemoteEngineError
@@ -41,16 +42,12 @@ from ragkv.integrations.openai.client_reader import (
 )
 from ragkv.integrations.openai.tokenizer import load_tokenizer
 
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
-
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-class RemoteEngine:
+class RemoteEngine(ForwardingEngine):
     """An OpenAI-compatible ``/v1/completions`` endpoint behind the Engine API.
 
     ``base_url`` ends in ``/v1`` (as for the ``openai`` client). ``tokenizer`` is the server
@@ -128,39 +125,6 @@ class RemoteEngine:
                     status_code=response.status_code,
                 ) from exc
         return self._model
-
-    @overload
-    def generate(
-        self,
-        prompts: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> Output: ...
-    @overload
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> list[Output]: ...
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> Output | list[Output]:
-        """One prompt → an :class:`Output`; a list of prompts → a list, sent one by one.
-        Keyword settings (``max_tokens=64``, ...) change ``params`` as in ``Engine.generate``."""
-        params = resolve_params(params, sampling)
-        if _is_single(prompts):
-            return self._generate_one(prompts, params, cache_salt)
-        return [self._generate_one(p, params, cache_salt) for p in prompts]
 
     def stream(
         self,
@@ -257,24 +221,14 @@ class RemoteEngine:
             self._aclient = None
         self._client.close()
 
-    def __enter__(self) -> RemoteEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> RemoteEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     # -- requests ---------------------------------------------------------------------------
     def _generate_one(
-        self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None
+        self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None, **sampling: Any
     ) -> Output:
+        """:meth:`generate` for one prompt; keyword settings change ``params`` as in
+        ``Engine.generate``."""
         ids, start = self._prompt_ids(prompt), time.perf_counter()
-        payload = self._payload(prompt, params, cache_salt, stream=False)
+        payload = self._payload(prompt, resolve_params(params, sampling), cache_salt, stream=False)
         response = self._send(payload, stream=True)
         try:
             body = answer_json(response.iter_bytes(), start + self.deadline_s)
@@ -427,14 +381,6 @@ class RemoteEngine:
             with contextlib.suppress(ValueError):  # an HTTP date: keep the backoff
                 delay = max(delay, min(float(retry_after), self.max_backoff_s))
         return delay
-
-
-def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    return isinstance(prompts, Sequence) and (
-        not prompts or not isinstance(prompts[0], str | Sequence)
-    )
 
 
 def _refuses_token_ids(message: str) -> bool:

@@ -27,28 +27,19 @@ def chat_body(
     return _envelope(request_id, "chat.completion", model, [choice], output.usage.to_openai())
 
 
-def completion_chunk(
+def stream_chunk(
     request_id: str,
     model: str,
-    text: str,
+    piece: str | dict[str, Any],
     finish_reason: str | None,
     token_ids: list[int] | None = None,
+    *,
+    chat: bool,
 ) -> dict[str, Any]:
+    """One chunk of a stream: ``piece`` is a chat's ``delta`` or a completion's text."""
     ids = {} if token_ids is None else {"token_ids": token_ids}
-    choice = _choice({"text": text}, finish_reason, ids)
-    return _envelope(request_id, "text_completion", model, [choice])
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    ids = {} if token_ids is None else {"token_ids": token_ids}
-    choice = _choice({"delta": delta}, finish_reason, ids)
-    return _envelope(request_id, "chat.completion.chunk", model, [choice])
+    choice = _choice({"delta": piece} if chat else {"text": piece}, finish_reason, ids)
+    return _envelope(request_id, _chunk_object(chat), model, [choice])
 
 
 def _choice(
@@ -62,9 +53,15 @@ def _output_ids(output: Output) -> dict[str, list[int]]:
     return {"prompt_token_ids": output.prompt_token_ids, "token_ids": output.token_ids}
 
 
-def usage_chunk(request_id: str, model: str, obj: str, usage: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(
+    request_id: str, model: str, usage: dict[str, Any], *, chat: bool
+) -> dict[str, Any]:
     """The extra last chunk of a stream with ``stream_options.include_usage``."""
-    return _envelope(request_id, obj, model, [], usage)
+    return _envelope(request_id, _chunk_object(chat), model, [], usage)
+
+
+def _chunk_object(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"
 
 
 def new_request_id(prefix: str) -> str:

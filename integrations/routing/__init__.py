@@ -9,6 +9,7 @@ latter from a list of URLs.
 
 - :mod:`.router`: the router, a facade over the modules below (and its stats);
 - :mod:`.replica`: one replica's router-side state and counters;
+- :mod:`.settings`: the router's knobs, checked once, read by the parts below;
 - :mod:`.selection`: a request's block hashes and session, the choice, what an answer teaches;
 - :mod:`.dispatch`: sending a request until a replica answers (failover, re-send, streams);
 - :mod:`.health`: which failures take a replica out, its backoff and its probe back;

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ragkv.cache_engine.engine_like import ChecksHealth, ReportsHealth
 from ragkv.errors import EngineClosedError, EngineUnhealthyError, RemoteEngineError
 from ragkv.integrations.routing.replica import Replica
+from ragkv.integrations.routing.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +39,16 @@ def failure_kind(exc: BaseException) -> str | None:
     return None
 
 
+@dataclass(slots=True, eq=False)  # a breaker is itself, not its contents
 class ReplicaHealth:
     """The breaker over ``replicas``: marks them down and probes them back.
 
     Shares the router's ``lock``; :meth:`mark_down` expects it held, :meth:`revive` takes it.
     """
 
-    def __init__(
-        self,
-        replicas: list[Replica],
-        lock: threading.Lock,
-        *,
-        backoff_s: float,
-        max_backoff_s: float,
-        health_timeout_s: float,
-    ) -> None:
-        self.replicas = replicas
-        self.lock = lock
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.health_timeout_s = health_timeout_s
+    replicas: list[Replica]
+    lock: threading.Lock
+    settings: RouterSettings
 
     def mark_down(self, replica: Replica) -> None:
         """Skip ``replica`` for a backoff (doubling per consecutive failure) and forget its
@@ -64,7 +56,8 @@ class ReplicaHealth:
         if not any(r.stats.healthy for r in self.replicas if r is not replica):
             logger.warning("replica %s failed but is the last healthy one", replica.stats.name)
             return  # never take the last healthy replica out
-        replica.backoff_s = min(self.max_backoff_s, max(self.backoff_s, 2 * replica.backoff_s))
+        cap, floor = self.settings.max_backoff_s, self.settings.backoff_s
+        replica.backoff_s = min(cap, max(floor, 2 * replica.backoff_s))
         replica.down_until = time.monotonic() + replica.backoff_s
         replica.stats.healthy = False
         replica.index.clear()
@@ -87,7 +80,7 @@ class ReplicaHealth:
             for r in due:
                 r.probing = True
         for r in due:
-            ok = _probe(r.engine, self.health_timeout_s)
+            ok = _probe(r.engine, self.settings.health_timeout_s)
             with self.lock:
                 r.probing = False
                 if ok:

@@ -20,16 +20,21 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any
 
-from ragkv.cache_engine.engine_like import Closes, ClosesAsync, EngineLike, Prompt
+from ragkv.cache_engine.engine_like import (
+    Closes,
+    ClosesAsync,
+    EngineLike,
+    ForwardingEngine,
+    Prompt,
+)
 from ragkv.cache_engine.outputs import Output, StreamDelta
 from ragkv.cache_engine.sampling_params import SamplingParams
 from ragkv.errors import ConfigError
 from ragkv.integrations.routing.dispatch import Dispatcher
 from ragkv.integrations.routing.event_index import DEFAULT_EVENT_INDEX_BLOCKS
 from ragkv.integrations.routing.health import ReplicaHealth
-from ragkv.integrations.routing.policies import check_policy
 from ragkv.integrations.routing.replica import (
     DEFAULT_INDEX_BLOCKS,
     ReplicaStats,
@@ -38,12 +43,10 @@ from ragkv.integrations.routing.replica import (
 )
 from ragkv.integrations.routing.replica_events import EngineFeed, EventFeed, ReplicaEvents
 from ragkv.integrations.routing.selection import MAX_SESSIONS, Selector, session_scope
-
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
+from ragkv.integrations.routing.settings import RouterSettings
 
 
-class ReplicaRouter:
+class ReplicaRouter(ForwardingEngine):
     """An :class:`EngineLike` that routes each request to one of ``replicas``.
 
     ``replicas`` are EngineLike objects serving the same model with the same tokenizer and
@@ -90,46 +93,27 @@ class ReplicaRouter:
         sizes = {r.block_size for r in replicas}
         if len(sizes) != 1:
             raise ConfigError(f"replicas must share one block size, got {sorted(sizes)}")
-        if not 0 <= match_threshold <= 1:
-            raise ConfigError(f"match_threshold must be in [0, 1], got {match_threshold}")
-        if balance_threshold < 0 or backoff_s < 0 or max_backoff_s < backoff_s:
-            raise ConfigError("need balance_threshold >= 0 and 0 <= backoff_s <= max_backoff_s")
-        if max_attempts is not None and max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
         if names is not None and len(names) != len(replicas):
             raise ConfigError("pass one name per replica")
-        self.policy = check_policy(policy)
-        self.tokenizer = replicas[0].tokenizer
-        self.block_size = replicas[0].block_size
-        self.balance_threshold = balance_threshold
-        self.match_threshold = match_threshold
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.max_attempts = max_attempts or len(replicas)
-        self.health_timeout_s = health_timeout_s
-        self.max_sessions = max_sessions
-        self._replicas = build_replicas(replicas, names, index_blocks)
-        lock = threading.Lock()
-        self._lock = lock
-        self._follow_events(kv_events, event_index_blocks)
-        self._selector = Selector(
-            self._replicas,
-            lock,
-            policy=self.policy,
-            tokenizer=self.tokenizer,
-            block_size=self.block_size,
-            balance_threshold=balance_threshold,
-            match_threshold=match_threshold,
-            max_sessions=max_sessions,
-        )
-        self._health = ReplicaHealth(
-            self._replicas,
-            lock,
+        self.settings = RouterSettings(
+            policy,
+            balance_threshold,
+            match_threshold,
+            max_sessions,
+            max_attempts=len(replicas) if max_attempts is None else max_attempts,
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
             health_timeout_s=health_timeout_s,
         )
-        self._dispatch = Dispatcher(self._selector, self._health, self.max_attempts)
+        self.tokenizer = replicas[0].tokenizer
+        self.block_size = replicas[0].block_size
+        self._replicas = build_replicas(replicas, names, index_blocks)
+        lock = threading.Lock()
+        self._lock = lock
+        self._follow_events(kv_events, event_index_blocks)
+        self._selector = Selector(self._replicas, lock, self.settings)
+        self._health = ReplicaHealth(self._replicas, lock, self.settings)
+        self._dispatch = Dispatcher(self._selector, self._health, self.settings.max_attempts)
 
     @classmethod
     def from_urls(
@@ -207,6 +191,10 @@ class ReplicaRouter:
         return self._replicas[0].engine.model_name
 
     @property
+    def policy(self) -> str:
+        return self.settings.policy
+
+    @property
     def replicas(self) -> list[EngineLike]:
         return [r.engine for r in self._replicas]
 
@@ -214,39 +202,6 @@ class ReplicaRouter:
         """Requests made inside this block (threads and tasks started in it included) belong
         to ``session_id``: a follow-up prefers its session's previous replica."""
         return session_scope(session_id)
-
-    # The ignore: a str is also a Sequence[str], so the two overlap; the first (one prompt)
-    # is the one that applies to a str, as at run time.
-    @overload
-    def generate(  # type: ignore[overload-overlap]
-        self,
-        prompts: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> Output: ...
-    @overload
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> list[Output]: ...
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        session_id: str | None = None,
-    ) -> Output | list[Output]:
-        """One prompt → an :class:`Output`; a list → a list, each prompt routed on its own."""
-        if _is_single(prompts):
-            return self._generate_one(prompts, params, cache_salt, session_id)
-        return [self._generate_one(p, params, cache_salt, session_id) for p in prompts]
 
     def stream(
         self,
@@ -315,18 +270,6 @@ class ReplicaRouter:
             elif isinstance(r.engine, Closes):
                 r.engine.close()
 
-    def __enter__(self) -> ReplicaRouter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> ReplicaRouter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     def _follow_events(
         self, kv_events: bool | Sequence[EventFeed | None] | None, capacity: int
     ) -> None:
@@ -364,18 +307,12 @@ class ReplicaRouter:
         prompt: Prompt,
         params: SamplingParams | None,
         cache_salt: str | None,
-        session_id: str | None,
+        session_id: str | None = None,
     ) -> Output:
+        """:meth:`generate` for one prompt, routed on its own (``session_id`` as in
+        :meth:`stream`)."""
         route = self._selector.route(prompt, cache_salt, session_id)
         return self._dispatch.generate(route, prompt, params, cache_salt)
-
-
-def _is_single(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    if isinstance(prompts, str):
-        return True
-    return isinstance(prompts, Sequence) and (
-        not prompts or not isinstance(prompts[0], str | Sequence)
-    )
 
 
 __all__ = ["DEFAULT_INDEX_BLOCKS", "ReplicaRouter", "ReplicaStats", "RouterStats"]

@@ -32,6 +32,7 @@ from ragkv.cache_engine.outputs import Output
 from ragkv.errors import InvalidInputError
 from ragkv.integrations.routing.policies import Candidate, rank
 from ragkv.integrations.routing.replica import Replica
+from ragkv.integrations.routing.settings import RouterSettings
 
 MAX_SESSIONS = 10_000
 # How long blocks sent to a replica count as held before its events store them: a request
@@ -74,25 +75,14 @@ class Selector:
     the session → replica map. Shares the router's ``lock``."""
 
     def __init__(
-        self,
-        replicas: list[Replica],
-        lock: threading.Lock,
-        *,
-        policy: str,
-        tokenizer: Any,
-        block_size: int,
-        balance_threshold: int,
-        match_threshold: float,
-        max_sessions: int,
+        self, replicas: list[Replica], lock: threading.Lock, settings: RouterSettings
     ) -> None:
         self.replicas = replicas
         self.lock = lock
-        self.policy = policy
-        self.tokenizer = tokenizer
-        self.block_size = block_size
-        self.balance_threshold = balance_threshold
-        self.match_threshold = match_threshold
-        self.max_sessions = max_sessions
+        self.settings = settings
+        # The replicas share one tokenizer and block size (the router checked).
+        self.tokenizer = replicas[0].engine.tokenizer
+        self.block_size = replicas[0].engine.block_size
         self.sessions: OrderedDict[tuple[bytes, str], int] = OrderedDict()
         self._turn = 0
 
@@ -130,13 +120,14 @@ class Selector:
                 _, score, size = _match(r, route.hashes, now)
                 candidates.append(Candidate(r.position, r.stats.in_flight, score, size))
             session = self.sessions.get(route.session) if route.session else None
+            settings = self.settings
             order = rank(
-                self.policy,
+                settings.policy,
                 candidates,
                 turn=self._turn,
                 num_replicas=len(self.replicas),
-                balance_threshold=self.balance_threshold,
-                match_threshold=self.match_threshold,
+                balance_threshold=settings.balance_threshold,
+                match_threshold=settings.match_threshold,
                 total_blocks=len(route.hashes),
                 session_position=session,
             )
@@ -172,7 +163,7 @@ class Selector:
         if route.session is not None:
             self.sessions[route.session] = replica.position
             self.sessions.move_to_end(route.session)
-            while len(self.sessions) > self.max_sessions:
+            while len(self.sessions) > self.settings.max_sessions:
                 self.sessions.popitem(last=False)
 
     def cached_prefix_length(self, token_ids: Sequence[int], cache_salt: str | None) -> int:

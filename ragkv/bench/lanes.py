@@ -46,14 +46,16 @@ import asyncio
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ragkv._sync import run_coroutine
 from ragkv.bench.workload import RequestSpec, Workload
 from ragkv.errors import ConfigError
+
+T = TypeVar("T")
 
 BATCH_LANE = "ragkv-batch"
 LANES = ("no-cache", "apc", "apc+assembler", "ragkv", BATCH_LANE)
@@ -259,32 +261,18 @@ async def _replay_plans(
     engine: Any, exact: LaneResult, params: Any, blend: Any, concurrency: int
 ) -> list[Any]:
     """The exact lane's plans in workload order, a session's turns one after another."""
-    slots = asyncio.Semaphore(concurrency)
-    last: dict[str, asyncio.Task[Any]] = {}
-    tasks: list[asyncio.Task[Any]] = []
 
-    async def one(plan: Any) -> Any:
-        try:
-            spans = [(s.start, s.end) for s in plan.spans("chunk")]
-            return await engine.agenerate(plan.token_ids, params, chunk_spans=spans, reuse=blend)
-        finally:
-            slots.release()
+    async def one(pair: tuple[Any, RequestRecord]) -> Any:
+        plan = pair[0].plan
+        spans = [(s.start, s.end) for s in plan.spans("chunk")]
+        return await engine.agenerate(plan.token_ids, params, chunk_spans=spans, reuse=blend)
 
-    try:
-        for answer, record in zip(exact.answers, exact.records, strict=True):
-            session = exact.sessions[record.index] if exact.sessions else str(record.index)
-            previous = last.get(session)
-            if previous is not None:
-                await previous
-            await slots.acquire()
-            last[session] = task = asyncio.create_task(one(answer.plan))
-            tasks.append(task)
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()  # cancelling aborts the request in the engine
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    def session(pair: tuple[Any, RequestRecord]) -> str:
+        index = pair[1].index
+        return exact.sessions[index] if exact.sessions else str(index)
+
+    pairs = list(zip(exact.answers, exact.records, strict=True))
+    return await _in_session_order(pairs, session, one, concurrency)
 
 
 def _run_batch(
@@ -310,39 +298,56 @@ def _run_batch(
 async def _replay(
     pipeline: Any, requests: Sequence[RequestSpec], params: Any, concurrency: int, bar: Any
 ) -> list[Any]:
-    slots = asyncio.Semaphore(concurrency)
     turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+
+    async def one(spec: RequestSpec) -> Any:
+        history = spec.history if spec.history is not None else list(turns[spec.session_id])
+        answer = await pipeline.aanswer(
+            spec.question, spec.chunks, system=spec.system, history=history, params=params
+        )
+        turns[spec.session_id] += [
+            {"role": "user", "content": spec.question},
+            {"role": "assistant", "content": answer.text},
+        ]
+        if bar is not None:
+            bar.update(1)
+        return answer
+
+    return await _in_session_order(requests, lambda spec: spec.session_id, one, concurrency)
+
+
+async def _in_session_order(
+    items: Sequence[T],
+    session: Callable[[T], str],
+    run: Callable[[T], Awaitable[Any]],
+    concurrency: int,
+) -> list[Any]:
+    """``run(item)`` for every item, in order, at most ``concurrency`` at once, a session's
+    items one after another (a follow-up's history is its session's earlier answers); the
+    results in order. A failure cancels the rest, which aborts their requests in the engine."""
+    slots = asyncio.Semaphore(concurrency)
     last: dict[str, asyncio.Task[Any]] = {}
     tasks: list[asyncio.Task[Any]] = []
 
-    async def one(spec: RequestSpec) -> Any:
+    async def one(item: T) -> Any:
         try:
-            history = spec.history if spec.history is not None else list(turns[spec.session_id])
-            answer = await pipeline.aanswer(
-                spec.question, spec.chunks, system=spec.system, history=history, params=params
-            )
-            turns[spec.session_id] += [
-                {"role": "user", "content": spec.question},
-                {"role": "assistant", "content": answer.text},
-            ]
-            if bar is not None:
-                bar.update(1)
-            return answer
+            return await run(item)
         finally:
             slots.release()
 
     try:
-        for spec in requests:
-            previous = last.get(spec.session_id)
+        for item in items:
+            key = session(item)
+            previous = last.get(key)
             if previous is not None:
-                await previous  # its answer is part of this request's history
+                await previous  # its answer may be part of this item's history
             await slots.acquire()
-            last[spec.session_id] = task = asyncio.create_task(one(spec))
+            last[key] = task = asyncio.create_task(one(item))
             tasks.append(task)
         return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
-            task.cancel()  # cancelling aborts the request in the engine
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -242,13 +242,16 @@ def build_report(
     }
 
 
-_COLUMNS = (
-    ("lane", "{}", None),
+# Every table's columns, in the one order tables show them: (title, format, the lane's key).
+# A table names the keys it shows.
+COLUMNS = (
     ("prompt tok", "{:,}", "prompt_tokens"),
     ("dedup -tok", "{:,}", "dedup_removed_tokens"),
     ("prefill tok", "{:,}", "prefill_tokens_computed"),
     ("cached tok", "{:,}", "cached_tokens"),
     ("hit", "{:.0%}", "hit_rate"),
+    ("requests/replica", "{}", "replica_requests"),
+    ("imbalance", "{:.2f}", "imbalance"),
     ("TTFT p50", "{:.3f}s", "ttft_p50_s"),
     ("TTFT p95", "{:.3f}s", "ttft_p95_s"),
     ("e2e p50", "{:.3f}s", "e2e_p50_s"),
@@ -257,11 +260,12 @@ _COLUMNS = (
     ("evict", "{}", "evictions"),
     ("wall", "{:.1f}s", "wall_s"),
 )
+_SHOWN = {key for _, _, key in COLUMNS} - {"replica_requests", "imbalance"}  # one engine
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The per-lane table plus ratio and determinism lines, for the terminal."""
-    lines = table_lines(report["lanes"], _COLUMNS)
+    lines = table_lines(report["lanes"], _SHOWN)
     lines.append(
         "prefill tok: prompt tokens computed; cached tok: served from the prefix cache; "
         "hit: cached / prompt tok; dedup -tok: tokens of dropped duplicate chunks"
@@ -275,17 +279,15 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-Column = tuple[str, str, str | None]  # title, format, the lane's key (None: the lane's name)
-
-
-def table_lines(lanes: dict[str, dict[str, Any]], columns: Sequence[Column]) -> list[str]:
-    """One row per lane under the columns' titles and a rule, aligned (names left, figures
-    right); a list value (one figure per replica) prints as ``a/b/c``."""
-    rows = [[title for title, _, _ in columns]]
+def table_lines(lanes: dict[str, dict[str, Any]], keys: Collection[str]) -> list[str]:
+    """One row per lane (its name, then those of :data:`COLUMNS` whose key is in ``keys``)
+    under the titles and a rule, aligned (names left, figures right); a list value (one
+    figure per replica) prints as ``a/b/c``."""
+    columns = [column for column in COLUMNS if column[2] in keys]
+    rows = [["lane", *(title for title, _, _ in columns)]]
     for name, lane in lanes.items():
-        cells = [_cell(fmt, name if key is None else lane[key]) for _, fmt, key in columns[1:]]
-        rows.append([name, *cells])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+        rows.append([name, *(_cell(fmt, lane[key]) for _, fmt, key in columns)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
             c.ljust(w) if i == 0 else c.rjust(w)

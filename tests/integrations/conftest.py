@@ -3,6 +3,7 @@ free loopback port, shared by every test in this folder that asks for them."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -17,12 +18,17 @@ def serve_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def serve_engine(serve_model_dir):
+def open_engine(serve_model_dir):
+    """``open_engine(**engine_options)``: a CPU engine over the tiny checkpoint (close it, or
+    use it as a context manager)."""
     from ragkv.cache_engine import Engine
 
-    with Engine.from_pretrained(
-        serve_model_dir, device="cpu", kv_cache_tokens=8192, max_model_len=1024
-    ) as engine:
+    return functools.partial(Engine.from_pretrained, serve_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def serve_engine(open_engine):
+    with open_engine(kv_cache_tokens=8192, max_model_len=1024) as engine:
         yield engine
 
 

@@ -24,20 +24,25 @@ def _cli(tiny_model, *extra):
     ]  # fmt: skip
 
 
-def test_replica_lanes_on_a_trace(tiny_model, tmp_path, capsys):
+def _run_trace(tiny_model, tmp_path, documents, *extra):
+    """The bench's JSON report over a trace: request i asks ``documents[i]`` (96 tokens
+    each) after a shared 16-token system prompt, in its own session."""
     trace, lengths, out = tmp_path / "t.jsonl", tmp_path / "l.json", tmp_path / "r.json"
-    docs = [f"d{i}" for i in range(3)]
     lines = [
-        {"session_id": f"s{i}", "system": ["sys"], "passages": [docs[i % 3]], "user": [f"q{i}"]}
-        for i in range(12)
+        {"session_id": f"s{i}", "system": ["sys"], "passages": [d], "user": [f"q{i}"]}
+        for i, d in enumerate(documents)
     ]
     trace.write_text("\n".join(json.dumps(line) for line in lines))
-    table = {"sys": 16, **{d: 96 for d in docs}, **{f"q{i}": 5 for i in range(12)}}
+    table = {"sys": 16, **{d: 96 for d in documents}, **{f"q{i}": 5 for i in range(len(lines))}}
     lengths.write_text(json.dumps(table))
     args = _cli(tiny_model, "--workload", "trace", "--trace", str(trace), "--lengths",
-                str(lengths), "--kv-cache-tokens", "1536", "--json", str(out))  # fmt: skip
+                str(lengths), "--kv-cache-tokens", "1536", "--json", str(out), *extra)  # fmt: skip
     assert main(args) == 0
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_replica_lanes_on_a_trace(tiny_model, tmp_path, capsys):
+    report = _run_trace(tiny_model, tmp_path, [f"d{i % 3}" for i in range(12)])
     lanes = report["lanes"]
     assert list(lanes) == ["1x whole pool", "round-robin x3", "least-loaded x3", "prefix x3"]
     assert report["machine"]["kv_cache_tokens_per_replica"] == 512
@@ -61,21 +66,10 @@ def test_replica_lanes_on_a_trace(tiny_model, tmp_path, capsys):
 
 
 def test_interleaved_documents_defeat_round_robin_not_prefix(tiny_model, tmp_path):
-    trace, lengths, out = tmp_path / "t.jsonl", tmp_path / "l.json", tmp_path / "r.json"
     # Two documents, each asked twice in a row: round-robin splits every pair.
     order = ["d0", "d0", "d1", "d1", "d0", "d0", "d1", "d1"]
-    lines = [
-        {"session_id": f"s{i}", "system": ["sys"], "passages": [d], "user": [f"q{i}"]}
-        for i, d in enumerate(order)
-    ]
-    trace.write_text("\n".join(json.dumps(line) for line in lines))
-    table = {"sys": 16, "d0": 96, "d1": 96, **{f"q{i}": 5 for i in range(8)}}
-    lengths.write_text(json.dumps(table))
-    args = _cli(tiny_model, "--workload", "trace", "--trace", str(trace), "--lengths",
-                str(lengths), "--routing", "round-robin,prefix", "--concurrency", "1",
-                "--kv-cache-tokens", "1536", "--json", str(out))  # fmt: skip
-    assert main(args) == 0
-    lanes = json.loads(out.read_text())["lanes"]
+    lanes = _run_trace(tiny_model, tmp_path, order, "--routing", "round-robin,prefix",
+                       "--concurrency", "1")["lanes"]  # fmt: skip
     assert lanes["prefix x3"]["cached_tokens"] > lanes["round-robin x3"]["cached_tokens"]
     # Only the shared system block is lost: the second document starts on an empty replica.
     whole = lanes["1x whole pool"]["cached_tokens"]
@@ -88,20 +82,9 @@ def test_unknown_policy_is_a_clear_error(tiny_model, capsys):
 
 
 def test_prefix_events_lane_routes_on_the_engines_events(tiny_model, tmp_path):
-    trace, lengths, out = tmp_path / "t.jsonl", tmp_path / "l.json", tmp_path / "r.json"
     order = ["d0", "d0", "d1", "d1", "d2", "d0", "d1", "d2"]
-    lines = [
-        {"session_id": f"s{i}", "system": ["sys"], "passages": [d], "user": [f"q{i}"]}
-        for i, d in enumerate(order)
-    ]
-    trace.write_text("\n".join(json.dumps(line) for line in lines))
-    table = {"sys": 16, "d0": 96, "d1": 96, "d2": 96, **{f"q{i}": 5 for i in range(8)}}
-    lengths.write_text(json.dumps(table))
-    args = _cli(tiny_model, "--workload", "trace", "--trace", str(trace), "--lengths",
-                str(lengths), "--routing", "prefix,prefix-events", "--concurrency", "1",
-                "--kv-cache-tokens", "1536", "--json", str(out))  # fmt: skip
-    assert main(args) == 0
-    report = json.loads(out.read_text())
+    report = _run_trace(tiny_model, tmp_path, order, "--routing", "prefix,prefix-events",
+                        "--concurrency", "1")  # fmt: skip
     events = report["lanes"]["prefix-events x3"]
     assert events["events"] == ["synced"] * 3 and events["event_gaps"] == 0
     assert events["cached_tokens"] >= report["lanes"]["prefix x3"]["cached_tokens"]

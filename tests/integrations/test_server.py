@@ -266,17 +266,13 @@ def test_request_timeout_aborts_with_504_and_frees_blocks(
 
 
 def test_chat_without_max_tokens_fits_a_pool_smaller_than_the_context(
-    serve_model_dir, start_server, api_key
+    open_engine, start_server, api_key
 ):
     """OpenAI clients omit max_tokens; the default must respect the KV pool, not only the
     context, or every such request is refused."""
     import httpx
 
-    from ragkv.cache_engine import Engine
-
-    with Engine.from_pretrained(
-        serve_model_dir, device="cpu", kv_cache_tokens=256, max_model_len=1024
-    ) as small:
+    with open_engine(kv_cache_tokens=256, max_model_len=1024) as small:
         url = start_server(engine=small)
         r = httpx.post(
             f"{url}/v1/chat/completions",
@@ -293,11 +289,9 @@ def test_chat_without_max_tokens_fits_a_pool_smaller_than_the_context(
 
 
 def test_health_reports_the_engine_and_answers_503_once_it_cannot_serve(
-    serve_model_dir, start_server, api_key
+    open_engine, start_server, api_key
 ):
-    from ragkv.cache_engine import Engine
-
-    engine = Engine.from_pretrained(serve_model_dir, device="cpu", kv_cache_tokens=256)
+    engine = open_engine(kv_cache_tokens=256)
     url = start_server(engine=engine)
     engine.generate([5, 6, 7], SamplingParams(max_tokens=1))
     probe = httpx.get(f"{url}/health", timeout=60)  # no key: the verdict, no internals

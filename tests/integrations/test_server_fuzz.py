@@ -27,13 +27,9 @@ REQUEST_TIMEOUT_S = 30  # per request, client side: a hang fails the run instead
 
 
 @pytest.fixture(scope="module")
-def fuzz_engine(serve_model_dir):
+def fuzz_engine(open_engine):
     """A small context keeps every generated request short (max_tokens is bounded by it)."""
-    from ragkv.cache_engine import Engine
-
-    with Engine.from_pretrained(
-        serve_model_dir, device="cpu", kv_cache_tokens=2048, max_model_len=96
-    ) as engine:
+    with open_engine(kv_cache_tokens=2048, max_model_len=96) as engine:
         yield engine
 
 

@@ -18,12 +18,8 @@ def soak():
 
 
 @pytest.fixture
-def soak_engine(serve_model_dir):
-    from ragkv.cache_engine import Engine
-
-    with Engine.from_pretrained(
-        serve_model_dir, device="cpu", kv_cache_tokens=16384, max_model_len=1024
-    ) as engine:
+def soak_engine(open_engine):
+    with open_engine(kv_cache_tokens=16384, max_model_len=1024) as engine:
         yield engine
 
 
@@ -54,14 +50,10 @@ def test_the_cross_tenant_probe_catches_a_shared_namespace(soak, soak_engine, mo
     assert not report.ok
 
 
-def test_the_soak_holds_with_kv_tiers_on_host_and_disk(soak, serve_model_dir, tmp_path):
+def test_the_soak_holds_with_kv_tiers_on_host_and_disk(soak, open_engine, tmp_path):
     """The same soak over an engine whose small pool spills to host memory and a disk store:
     nothing lost, no cross-tenant hit through any tier, outputs equal direct greedy calls."""
-    from ragkv.cache_engine import Engine
-
-    with Engine.from_pretrained(
-        serve_model_dir,
-        device="cpu",
+    with open_engine(
         kv_cache_tokens=2048,
         max_model_len=1024,
         host_cache_bytes=1 << 20,
@@ -79,15 +71,11 @@ def test_the_soak_holds_with_kv_tiers_on_host_and_disk(soak, serve_model_dir, tm
     assert list((tmp_path / "store").rglob("*.kv"))  # the disk tier took part
 
 
-def test_the_soak_holds_with_blend_chats_and_the_disk_tier(soak, serve_model_dir, tmp_path):
+def test_the_soak_holds_with_blend_chats_and_the_disk_tier(soak, open_engine, tmp_path):
     """Blend chats (approximate chunk reuse) beside exact requests, with a disk tier: the
     exact answers still equal direct greedy calls, no blend probe reuses another tenant's
     chunks, nothing is lost."""
-    from ragkv.cache_engine import Engine
-
-    with Engine.from_pretrained(
-        serve_model_dir,
-        device="cpu",
+    with open_engine(
         kv_cache_tokens=8192,
         max_model_len=1024,
         kv_store_dir=str(tmp_path / "store"),

@@ -53,6 +53,33 @@ logger = logging.getLogger(__name__)
 NOT_SERVED = ("hash_algo", "enable_prefix_caching", "schedule_policy", "backend")
 
 
+# The server's limits and request defaults: (flag, type, default, help).
+_LIMIT_FLAGS: tuple[tuple[str, type, int | float | None, str | None], ...] = (
+    ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, None),
+    ("--request-timeout", float, DEFAULT_REQUEST_TIMEOUT_S, "seconds"),
+    ("--max-chunk-bytes", int, DEFAULT_MAX_CHUNK_BYTES, None),
+    ("--max-chunks", int, DEFAULT_MAX_CHUNKS, None),
+    ("--max-rag-bytes", int, DEFAULT_MAX_RAG_BYTES, "total bytes of ragkv.chunks per request"),
+    ("--max-text-bytes", int, DEFAULT_MAX_TEXT_BYTES, "UTF-8 bytes of prompt text per request "
+     "besides ragkv.chunks (messages, prompt, ragkv.system; default "
+     f"{DEFAULT_MAX_TEXT_BYTES >> 20} MiB)"),
+    ("--max-messages", int, DEFAULT_MAX_MESSAGES, "messages per chat request"),
+    ("--max-requests-per-tenant", int, DEFAULT_MAX_REQUESTS_PER_TENANT, "requests one API key's "
+     "tenant may have in flight; past it, 429 + Retry-After (default "
+     f"{DEFAULT_MAX_REQUESTS_PER_TENANT})"),
+    ("--max-requests", int, DEFAULT_MAX_REQUESTS,
+     f"requests in flight in all (default {DEFAULT_MAX_REQUESTS})"),
+    ("--work-threads", int, None, "threads that decode, tokenize and assemble requests, taken "
+     "round-robin by tenant; one tenant holds at most all but one (default: the cores, 2 to 8, "
+     "plus one)"),
+    ("--max-stop-strings", int, DEFAULT_MAX_STOP_STRINGS, None),
+    ("--max-prompt-tokens", int, None, "default: the model context"),
+    ("--default-max-tokens", int, DEFAULT_MAX_TOKENS, "new tokens a chat request that sets no "
+     f"max_tokens may generate (default {DEFAULT_MAX_TOKENS}; a request may ask for more, up to "
+     "the context)"),
+)  # fmt: skip
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``ragkv serve``."""
     parser = subparsers.add_parser(
@@ -89,49 +116,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     # Every engine setting but those ragkv serve does not offer yet, declared once, with its
     # help and default, on EngineConfig's fields.
     add_engine_flags(parser.add_argument_group("engine"), exclude=NOT_SERVED)
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    parser.add_argument(
-        "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds"
-    )
-    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
-    parser.add_argument("--max-chunks", type=int, default=DEFAULT_MAX_CHUNKS)
-    parser.add_argument(
-        "--max-rag-bytes",
-        type=int,
-        default=DEFAULT_MAX_RAG_BYTES,
-        help="total bytes of ragkv.chunks per request",
-    )
-    parser.add_argument(
-        "--max-text-bytes",
-        type=int,
-        default=DEFAULT_MAX_TEXT_BYTES,
-        help="UTF-8 bytes of prompt text per request besides ragkv.chunks (messages, prompt, "
-        f"ragkv.system; default {DEFAULT_MAX_TEXT_BYTES >> 20} MiB)",
-    )
-    parser.add_argument(
-        "--max-messages", type=int, default=DEFAULT_MAX_MESSAGES, help="messages per chat request"
-    )
-    parser.add_argument(
-        "--max-requests-per-tenant",
-        type=int,
-        default=DEFAULT_MAX_REQUESTS_PER_TENANT,
-        help="requests one API key's tenant may have in flight; past it, 429 + Retry-After "
-        f"(default {DEFAULT_MAX_REQUESTS_PER_TENANT})",
-    )
-    parser.add_argument(
-        "--max-requests",
-        type=int,
-        default=DEFAULT_MAX_REQUESTS,
-        help=f"requests in flight in all (default {DEFAULT_MAX_REQUESTS})",
-    )
-    parser.add_argument(
-        "--work-threads",
-        type=int,
-        default=None,
-        help="threads that decode, tokenize and assemble requests, taken round-robin by "
-        "tenant; one tenant holds at most all but one (default: the cores, 2 to 8, plus one)",
-    )
-    parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
+    for flag, kind, default, help_text in _LIMIT_FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
     parser.add_argument(
         "--reuse",
         choices=("blend",),
@@ -139,16 +125,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="let chat requests opt into position-independent chunk reuse with "
         '"ragkv": {"chunks": [...], "reuse": "blend", "k": 16} (approximate answers, '
         "usage.reused_nonprefix_tokens); off by default",
-    )
-    parser.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="default: the model context"
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="new tokens a chat request that sets no max_tokens may generate (default "
-        f"{DEFAULT_MAX_TOKENS}; a request may ask for more, up to the context)",
     )
     events = parser.add_argument_group(
         "KV events",

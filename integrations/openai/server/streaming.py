@@ -124,11 +124,8 @@ async def _sse(
     try:
         async with contextlib.aclosing(stream):
             if chat:
-                yield _event(
-                    responses.chat_chunk(
-                        request_id, model, {"role": "assistant", "content": ""}, None
-                    )
-                )
+                opening = {"role": "assistant", "content": ""}
+                yield _event(responses.stream_chunk(request_id, model, opening, None, chat=True))
             delta = first
             while True:
                 if delta.text or delta.finish_reason or ids:  # else text is held back
@@ -142,10 +139,8 @@ async def _sse(
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(stream)
             if parsed.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _event(
-                    responses.usage_chunk(request_id, model, obj, delta.output.usage.to_openai())
-                )
+                usage = delta.output.usage.to_openai()
+                yield _event(responses.usage_chunk(request_id, model, usage, chat=chat))
     except TimeoutError:
         yield _event(timeout_error(served).body())
     except RagkvError as exc:
@@ -177,10 +172,10 @@ def _stream_chunk(
     request_id: str, model: str, delta: Any, *, chat: bool, ids: bool
 ) -> dict[str, Any]:
     tokens = delta.token_ids if ids else None
+    piece: str | dict[str, Any] = delta.text
     if chat:
-        content = {"content": delta.text} if delta.text else {}
-        return responses.chat_chunk(request_id, model, content, delta.finish_reason, tokens)
-    return responses.completion_chunk(request_id, model, delta.text, delta.finish_reason, tokens)
+        piece = {"content": delta.text} if delta.text else {}
+    return responses.stream_chunk(request_id, model, piece, delta.finish_reason, tokens, chat=chat)
 
 
 def _event(payload: dict[str, Any]) -> bytes:
