@@ -52,11 +52,11 @@ ROW_KEYS = {"setting", "default", "recompute_ratio", "kl", "top1", "answer_f1", 
 
 def tiny_musique(path):
     """A MuSiQue-format file (two examples, four short passages each) for the tiny model."""
-    words = "river castle author college library museum bridge tower garden harbour".split()
+    words = ["river", "castle", "author", "college", "library", "museum", "bridge", "tower"]
     examples = []
     for e in range(2):
         ctxs = [
-            {"title": "", "text": " ".join(f"the {words[(e + p + i) % 10]} of {p}{i}." for i in range(12))}
+            {"title": "", "text": " ".join(f"the {words[(e + p + i) % len(words)]} of {p}{i}." for i in range(12))}
             for p in range(4)
         ]  # fmt: skip
         examples.append({"question": f"Where is the {words[e]}?", "answers": ["x"], "ctxs": ctxs})
@@ -77,7 +77,7 @@ def test_dataset_rows_have_the_schema_and_the_exact_row_agrees_with_the_referenc
     rows = {row["setting"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["exact", "naive", "deviation k=4", "first-k k=4", "recompute-all"]
     for row in rows.values():
-        assert ROW_KEYS <= set(row), row
+        assert set(row) >= ROW_KEYS, row
         assert isinstance(row["default"], bool) and row["examples"] == 2
         assert 0 <= row["recompute_ratio"] <= 1 and 0 <= row["top1"] <= 1, row
     exact = rows["exact"]
