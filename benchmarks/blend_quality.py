@@ -21,10 +21,26 @@ Prefill figures are prompt tokens (the 31 teacher-forced answer tokens excluded)
 the blended request's time to its first token, which includes computing the forced answer
 tokens: compare it between settings, not with a real request's TTFT.
 
+With ``--dataset`` (MuSiQue, ``../shared/data/musique/musique_dev.json``) the prompts are
+real: the instruction, ``--passages`` passages of an example and its question. Per example
+the passages are computed exactly once in their file order (the warm-up records them), then
+permuted; on the permuted prompt the exact path answers greedily (the reference answer and
+its logits), and every setting (exact itself, naive, first-k and deviation for each k) is
+teacher-forced over that answer (KL, top-1 as above) and answers greedily (token F1 with
+the exact answer after SQuAD normalisation). ``recompute_ratio`` is the share of the
+passages' tokens not reused; ``ttft_ratio`` is the teacher-forced run's time to first token
+over the exact one's (the same tokens forced through the exact path, in its own cache
+salt; so the exact row is 1 by definition, and its KL, top-1 and F1 check that a second
+exact run agrees with the reference). Blended settings run in one salt with the warm-up,
+in an order where no setting's exactly cached blocks reach past where the next would copy
+(naive, deviation, first-k by ascending k). JSON: a list of rows.
+
 Usage::
 
     python benchmarks/blend_quality.py [--questions 6] [--orders 3] [--json FILE] [--plot FILE]
     python benchmarks/blend_quality.py --quick     # CI size: 1 question, 1 order, k in {0, 16}
+    python benchmarks/blend_quality.py --dataset ../shared/data/musique/musique_dev.json \
+        --examples 20 --json musique.json
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -43,6 +60,7 @@ from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.cache_engine.chunk_reuse import BlendConfig
 
 NEAR_TIE_NAT = 0.1
+DEFAULT_KS = "4,8,16,32"  # synthetic mode; --dataset: 8,16,32
 REFERENCE_SALT = "blend-quality/exact"  # the exact runs' own prefix cache and chunk index
 
 
@@ -63,6 +81,8 @@ class Setting:
     agree: int = 0
     kl: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
+    agree_all: int = 0  # top-1 agreement near-ties included (dataset rows)
+    f1: list[float] = field(default_factory=list)  # greedy answer vs exact (dataset rows)
 
     def summary(self, naive_kl: float | None) -> dict[str, Any]:
         counted = self.positions - self.skipped_near_ties
@@ -117,6 +137,7 @@ def compare(exact: torch.Tensor, blend: torch.Tensor, setting: Setting) -> None:
     setting.positions += len(kl)
     setting.skipped_near_ties += int(near_tie.sum())
     setting.agree += int((agree & ~near_tie).sum())
+    setting.agree_all += int(agree.sum())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,6 +219,116 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+DATASET_SALT = "blend-quality/dataset"  # warm-up and every blended setting
+EXACT_ROW_SALT = "blend-quality/exact-row"  # the exact row's second exact run
+
+
+def dataset_settings(args: argparse.Namespace) -> list[Setting]:
+    """Exact, naive, deviation then first-k by ascending k (see the module docstring)."""
+    settings = [Setting("exact", "exact", 0), Setting("naive", "none", 0)]
+    settings += [Setting(f"deviation k={k}", "deviation", k) for k in sorted(args.deviation_ks)]
+    settings += [Setting(f"first-k k={k}", "first-k", k) for k in sorted(args.ks) if k > 0]
+    if args.recompute_all:  # last: it caches the whole prompt exactly
+        settings.append(Setting("recompute-all", "first-k", 1 << 16))
+    return settings
+
+
+def run_dataset(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The MuSiQue harness (module docstring): one row per setting."""
+    from ragkv.bench.musique import INSTRUCTION, load_musique, token_f1
+    from ragkv.pipeline import Pipeline
+
+    examples = load_musique(args.dataset, args.examples)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens
+    )
+    pipe = Pipeline(engine, order="retrieval")
+    settings = dataset_settings(args)
+    exact_ttft: list[float] = []
+    rng = random.Random(args.seed)
+    greedy = SamplingParams(max_tokens=args.answer_tokens)
+    try:
+        for example in examples:
+            passages = list(example.passages[: args.passages])
+            warm = pipe.prepare(example.question, passages, system=INSTRUCTION).plan
+            order = passages[:]
+            while len(order) > 1 and order[0] == passages[0]:  # every prompt moves
+                rng.shuffle(order)
+            plan = pipe.prepare(example.question, order, system=INSTRUCTION).plan
+            spans = _spans(plan)
+            chunk_tokens = sum(end - start for start, end in spans)
+            one = SamplingParams(max_tokens=1)
+            engine.generate(warm.token_ids, one, chunk_spans=_spans(warm), cache_salt=DATASET_SALT)
+            exact = engine.generate(
+                plan.token_ids, greedy, cache_salt=REFERENCE_SALT, return_logits=True
+            )
+            n = len(exact.token_ids)
+            reference, forced = exact.logits[-n:], plan.token_ids + exact.token_ids[:-1]
+            for setting in settings:
+                is_exact = setting.strategy == "exact"
+                options: dict[str, Any] = {
+                    "chunk_spans": spans,
+                    "cache_salt": EXACT_ROW_SALT if is_exact else DATASET_SALT,
+                    "reuse": None if is_exact else BlendConfig(setting.strategy, k=setting.k),
+                }
+                # forced first: the greedy run then reuses its blocks, never the reverse
+                # (the greedy run's answer blocks would hide answer positions' logits)
+                out = engine.generate(forced, one, return_logits=True, **options)
+                answer = engine.generate(plan.token_ids, greedy, **options)
+                compare(reference, out.logits[-n:], setting)
+                setting.f1.append(token_f1(answer.text, exact.text))
+                setting.prompts += 1
+                setting.found_chunk_tokens += chunk_tokens
+                setting.reused_nonprefix_tokens += out.usage.reused_nonprefix_tokens
+                setting.ttft_s.append(out.timings.ttft_s)
+                if is_exact:
+                    exact_ttft.append(out.timings.ttft_s)
+            if args.json:  # after every example: a long run leaves figures if cut short
+                rows = [dataset_row(s, sum(exact_ttft)) for s in settings]
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=2)
+            print(f"example {len(exact_ttft)}/{len(examples)} done", file=sys.stderr)
+    finally:
+        engine.close()
+    return [dataset_row(s, sum(exact_ttft)) for s in settings]
+
+
+def dataset_row(setting: Setting, exact_ttft_s: float) -> dict[str, Any]:
+    """One JSON row of the dataset harness."""
+    counted = setting.positions - setting.skipped_near_ties
+    default = BlendConfig()
+    return {
+        "setting": setting.name,
+        "default": (setting.strategy, setting.k) == (default.strategy, default.k),
+        "recompute_ratio": 1 - setting.reused_nonprefix_tokens / max(setting.found_chunk_tokens, 1),
+        "kl": statistics.fmean(setting.kl) if setting.kl else 0.0,
+        "top1": setting.agree / counted if counted else 1.0,
+        "answer_f1": statistics.fmean(setting.f1) if setting.f1 else 0.0,
+        "ttft_ratio": sum(setting.ttft_s) / exact_ttft_s if exact_ttft_s else 0.0,
+        "strategy": setting.strategy,
+        "k": setting.k,
+        "examples": setting.prompts,
+        "p95_kl": _quantile(setting.kl, 0.95),
+        "top1_all": setting.agree_all / setting.positions if setting.positions else 1.0,
+        "positions": setting.positions,
+        "skipped_near_ties": setting.skipped_near_ties,
+    }
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'setting':<16}{'default':>8}{'recompute':>10}{'mean KL':>9}{'top-1':>7}"
+        f"{'top-1 all':>10}{'answer F1':>10}{'TTFT':>7}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['setting']:<16}{'yes' if r['default'] else '':>8}{r['recompute_ratio']:>10.3f}"
+            f"{r['kl']:>9.4f}{r['top1']:>7.3f}{r['top1_all']:>10.3f}{r['answer_f1']:>10.3f}"
+            f"{r['ttft_ratio']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
 def _salt(setting: Setting) -> str:
     """Each setting's own prefix cache and chunk index: a blended request caches the exact
     part before its first copied token, which would otherwise lengthen the next setting's
@@ -270,21 +401,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--orders", type=int, default=3, help="chunk-order rotations per question")
     p.add_argument("--answer-tokens", type=int, default=32)
-    p.add_argument("--ks", default="4,8,16,32", help="first-k values (naive k=0 always runs)")
+    p.add_argument("--ks", default=DEFAULT_KS, help="first-k values (naive k=0 always runs)")
     p.add_argument("--recompute-all", action="store_true", help="add the exactness sanity row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="CI size: 1 question, 1 order, k=16")
+    p.add_argument("--dataset", metavar="MUSIQUE.json", help="real passages (see the docstring)")
+    p.add_argument("--examples", type=int, default=20, help="--dataset: examples used")
+    p.add_argument("--passages", type=int, default=5, help="--dataset: passages per prompt")
+    p.add_argument("--deviation-ks", default="16,32", help="--dataset: deviation budgets k")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)
     if args.quick:
         args.questions, args.orders, args.ks = 1, 1, "16"
+    if args.dataset and args.quick:  # CI size on real text
+        args.examples, args.passages, args.ks, args.deviation_ks = 1, 3, "16", "16"
+    elif args.dataset and args.ks == DEFAULT_KS:
+        args.ks = "8,16,32"
     args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    args.deviation_ks = [int(k) for k in args.deviation_ks.split(",") if k.strip()]
+    if args.dataset and not 1 <= args.passages <= 10:
+        p.error("--passages must be between 1 and 10")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.dataset:
+        rows = run_dataset(args)  # writes --json itself
+        print(format_rows(rows))
+        return rows
     report = run(args)
     print(format_table(report))
     if args.json:

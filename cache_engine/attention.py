@@ -46,6 +46,15 @@ class StepContext:
     # Explicit query position per token row (chunk reuse); None: each sequence's rows are its
     # last q_len positions. Host list on CPU (the plan's own list), int32 tensor on a device.
     q_positions: torch.Tensor | list[int] | None = None
+    # A probe forward (chunk reuse's deviation): stop once this layer has stored its K/V.
+    stop_after_layer: int | None = None
+
+
+class ProbeDone(Exception):
+    """Raised by layer ``StepContext.stop_after_layer`` once its K/V are stored: a probe
+    forward needs nothing past them (the caller catches it; the model's outputs are unused).
+    An exception is the one way to leave a transformers forward early without knowing the
+    model's layer structure."""
 
 
 def paged_attention_forward(
@@ -79,6 +88,8 @@ def paged_attention_forward(
         ragkv_step.slot_mapping,
         backend=ragkv_step.backend,
     )
+    if ragkv_step.stop_after_layer == module.layer_idx:
+        raise ProbeDone
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_attention(
         q,

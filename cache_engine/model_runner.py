@@ -11,6 +11,7 @@ row of a request that asked for its logits).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -20,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ragkv.cache_engine.attention import ATTN_IMPLEMENTATION, StepContext, register_attention
+from ragkv.cache_engine.attention import (
+    ATTN_IMPLEMENTATION,
+    ProbeDone,
+    StepContext,
+    register_attention,
+)
+from ragkv.cache_engine.chunk_reuse.deviation import choose_by_deviation
 from ragkv.cache_engine.chunk_reuse.placement import place_chunks
 from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
 from ragkv.cache_engine.kv_cache_manager import slot_mapping
@@ -195,8 +202,8 @@ class ModelRunner:
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: build its inputs, run the model, sample every finishing slice."""
+        self.place_reused_chunks(batch.slices)  # first: a deviation plan picks positions
         inputs = self.prepare(batch.slices)
-        self.place_reused_chunks(batch.slices)
         started = time.perf_counter()
         logits = self.forward(inputs)
         forward_s = time.perf_counter() - started
@@ -229,6 +236,40 @@ class ModelRunner:
                 plan, chunk.block_table, self.kv_caches, self._rotator.rotate, self.block_size
             )
             plan.placed = True
+            if plan.choose:  # deviation: probe, then recompute the tokens that deviate most
+                probe = functools.partial(self.probe, chunk, plan.start)
+                choose_by_deviation(plan, chunk.block_table, self.kv_caches, self.block_size, probe)
+                chunk.positions = plan.positions
+
+    @torch.inference_mode()
+    def probe(self, chunk: ScheduledSlice, start: int, layer: int) -> None:
+        """Compute the K/V of layers ``0..layer`` of positions ``start .. chunk.end - 1`` in
+        one forward that stops there (chunk reuse's deviation probe): the layers' paged
+        cache then holds fresh K/V for those positions; nothing else is computed."""
+        end = chunk.end
+        batch = ModelInput(
+            input_ids=chunk.request.token_ids[start:end],
+            positions=list(range(start, end)),
+            slot_mapping=slot_mapping(chunk.block_table, self.block_size, start, end),
+            block_tables=[chunk.block_table],
+            cu_seqlens_q=[0, end - start],
+            seq_lens=[end],
+            logits_rows=[end - start - 1],
+        )
+        step = self.step_context(batch)
+        step.stop_after_layer = layer
+        device = self.device
+        try:
+            self.model(
+                input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([batch.positions], dtype=torch.long, device=device),
+                use_cache=False,
+                logits_to_keep=1,
+                ragkv_step=step,
+            )
+        except ProbeDone:
+            return
+        raise RuntimeError(f"the probe forward never reached layer {layer}")
 
     def prepare(self, chunks: list[ScheduledSlice]) -> ModelInput:
         """The step's flattened inputs: ids, positions, KV slots, block tables, logits rows.

@@ -6,11 +6,14 @@ again to repair the cross-chunk attention they missed:
 
 - ``"none"``: naive reuse, every reused token kept as copied;
 - ``"first-k"``: the first ``k`` tokens of every reused chunk are recomputed (EPIC's
-  observation: the attention sink at a chunk's start absorbs most of the damage).
-
-``"deviation"`` (CacheBlend's choice by KV deviation at an early layer) is not built: it
-needs every reused token's early-layer K/V computed first, which a single transformers
-forward over selected tokens cannot give.
+  observation: the attention sink at a chunk's start absorbs most of the damage);
+- ``"deviation"``: as many tokens as ``first-k`` recomputes (``k`` per reused chunk), but
+  the ones whose values deviate most from a fresh computation (CacheBlend's selection).
+  The model runner first runs a probe forward over every token after the prefix that
+  stops once layer :data:`DEVIATION_LAYER` has stored its K/V (about one layer's cost),
+  compares those values with the copied ones, and recomputes the top tokens across all
+  reused chunks. Layer 0's K/V depend on the token and its position alone, so copied
+  layer-0 K/V are already right; layer 1 is the first that sees the new context.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 from ragkv.errors import ConfigError, InvalidInputError
 
-STRATEGIES: tuple[str, ...] = ("none", "first-k")
+STRATEGIES: tuple[str, ...] = ("none", "first-k", "deviation")
+DEVIATION_LAYER = 1  # the first layer whose K/V depend on the context (see above)
 MAX_CHUNK_SPANS = 256  # per request: a RAG prompt has tens of chunks, not thousands
 MIN_CHUNK_TOKENS = 4  # shorter spans are not worth a lookup; they are computed fresh
 
@@ -29,7 +33,8 @@ MIN_CHUNK_TOKENS = 4  # shorter spans are not worth a lookup; they are computed 
 class BlendConfig:
     """How an opted-in request reuses chunks found elsewhere (see the module docstring).
 
-    ``k``: tokens recomputed at the start of every reused chunk (``first-k``; 0 is naive).
+    ``k``: tokens recomputed per reused chunk: its first ``k`` (``first-k``; 0 is naive), or
+    as many chosen by deviation across all reused chunks (``deviation``).
     """
 
     strategy: str = "first-k"
@@ -46,7 +51,8 @@ class BlendConfig:
             raise ConfigError(f"k must be an int in [0, 65536], got {self.k!r}", param="k")
 
     def recomputed(self, chunk_len: int) -> int:
-        """How many leading tokens of a reused chunk of ``chunk_len`` tokens are recomputed."""
+        """How many tokens of a reused chunk of ``chunk_len`` tokens are recomputed (its
+        leading ones for ``first-k``; the budget they add for ``deviation``)."""
         if self.strategy == "none":
             return 0
         return min(self.k, chunk_len)

@@ -10,6 +10,14 @@ prefix (chunks not found, recomputed tokens, the question, the prompt's last tok
     computed |                    | k first  ·······  | ███████████████████ | ████████ |
     copied   |                    |          ████████ |                     |          |
 
+A chunk that starts inside the exact prefix (a prefix hit that ends mid-chunk) is reused
+from the prefix's end on; its first ``k`` count from the chunk's start.
+
+``deviation`` plans copy every found token and recompute as many as ``first-k`` would
+(``choose``); the first-k picks stand in until the model runner has measured which
+copied tokens deviate most and calls :meth:`BlendPlan.choose_recomputed` (the count is
+fixed when the plan is made, so the scheduler's token budget holds either way).
+
 Pure Python over small integers; the copy itself runs in the model runner
 (:mod:`~ragkv.cache_engine.chunk_reuse.placement`).
 """
@@ -34,6 +42,9 @@ class BlendPlan:
     pinned: list[int] = field(default_factory=list)  # source blocks held until the copy ran
     reused_chunk_tokens: int = 0  # tokens of the chunks found (copied + recomputed)
     placed: bool = False  # the runner copied the K/V
+    # deviation: this many copied tokens are still to be chosen for recomputing; until then
+    # ``positions`` holds first-k stand-ins, which are also among ``dst_positions``
+    choose: int = 0
 
     @property
     def exact_until(self) -> int | None:
@@ -44,7 +55,32 @@ class BlendPlan:
     @property
     def reused_tokens(self) -> int:
         """Tokens whose K/V was copied and kept (what ``reused_nonprefix_tokens`` reports)."""
-        return len(self.dst_positions)
+        return len(self.dst_positions) - self.choose
+
+    @property
+    def start(self) -> int:
+        """The first position this plan computes or copies (the exact prefix ends here)."""
+        first_copied = self.dst_positions[0] if self.dst_positions else self.positions[0]
+        return min(self.positions[0], first_copied)
+
+    def choose_recomputed(self, chosen: Sequence[int]) -> None:
+        """Recompute the copied positions ``chosen`` (``choose`` of them, e.g. by deviation)
+        instead of the first-k stand-ins; ``positions`` is updated in place (the scheduled
+        slice holds the same list) and the chosen tokens leave the copied lists."""
+        picked = set(chosen)
+        copied = set(self.dst_positions)
+        if len(picked) != self.choose or not picked <= copied:
+            raise ValueError(
+                f"choose_recomputed needs {self.choose} distinct copied positions, "
+                f"got {len(chosen)}"
+            )
+        computed = [p for p in self.positions if p not in copied] + sorted(picked)
+        self.positions[:] = sorted(computed)
+        kept = [i for i, p in enumerate(self.dst_positions) if p not in picked]
+        self.src_slots = [self.src_slots[i] for i in kept]
+        self.dst_positions = [self.dst_positions[i] for i in kept]
+        self.deltas = [self.deltas[i] for i in kept]
+        self.choose = 0
 
 
 def plan_blend(
@@ -59,24 +95,29 @@ def plan_blend(
     None when no chunk after the prefix is found (the request then runs exactly)."""
     last = len(token_ids) - 1
     plan = BlendPlan(positions=[])
+    stand_ins: list[int] = []  # deviation: first-k picks until the runner chooses
     for start, end in spans:
-        if start < num_computed or end - start < MIN_CHUNK_TOKENS:
+        if end <= num_computed or end - start < MIN_CHUNK_TOKENS:
             continue
         location = lookup(token_ids[start:end])
         if location is None:
             continue
-        plan.reused_chunk_tokens += end - start
-        keep_from = start + config.recomputed(end - start)
+        begin = max(start, num_computed)  # a chunk the prefix hit ends inside: its tail
+        plan.reused_chunk_tokens += end - begin
+        first_k = max(begin, start + config.recomputed(end - start))
+        copy_from = begin if config.strategy == "deviation" else first_k
         keep_to = min(end, last)  # the prompt's last token is always computed (logits)
-        if keep_from >= keep_to:
+        if copy_from >= keep_to:
             continue
-        plan.src_slots += location.slots(block_size, keep_from - start, keep_to - start)
-        plan.dst_positions += range(keep_from, keep_to)
-        plan.deltas += [start - location.start] * (keep_to - keep_from)
+        stand_ins += range(copy_from, min(first_k, keep_to))
+        plan.src_slots += location.slots(block_size, copy_from - start, keep_to - start)
+        plan.dst_positions += range(copy_from, keep_to)
+        plan.deltas += [start - location.start] * (keep_to - copy_from)
         plan.pinned += location.block_ids
     if not plan.reused_chunk_tokens:
         return None
-    copied = set(plan.dst_positions)
+    copied = set(plan.dst_positions).difference(stand_ins)
     plan.positions = [p for p in range(num_computed, last + 1) if p not in copied]
     plan.pinned = list(dict.fromkeys(plan.pinned))
+    plan.choose = len(stand_ins)
     return plan

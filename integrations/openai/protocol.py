@@ -265,7 +265,7 @@ def _reuse(value: dict[str, Any]) -> BlendConfig | None:
         return None
     if reuse != "blend":
         raise APIError(400, "ragkv.reuse must be 'blend' (or absent)", param="ragkv.reuse")
-    strategy = _get(value, "strategy", str, "first-k", "ragkv.")
+    strategy = _get(value, "strategy", str, BlendConfig().strategy, "ragkv.")
     k = value.get("k", BlendConfig().k)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_REUSE_K:
         raise APIError(400, f"ragkv.k must be an int in [0, {MAX_REUSE_K}]", param="ragkv.k")

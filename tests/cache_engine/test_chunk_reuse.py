@@ -244,7 +244,7 @@ def test_reuse_inputs_are_validated_in_the_callers_thread(two_layers):
         with pytest.raises(InvalidInputError):
             eng.generate([FIRST, SECOND], GREEDY, chunk_spans=[SPANS])  # one list per prompt
     with pytest.raises(ConfigError) as err:
-        BlendConfig("deviation")
+        BlendConfig("attention")
     assert err.value.param == "strategy"
     with pytest.raises(ConfigError):
         BlendConfig("first-k", k=-1)
@@ -269,12 +269,13 @@ def test_an_opted_in_follow_up_shares_the_approximate_blocks_a_blended_request_l
         exact = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, return_logits=True)
         assert_no_block_held(eng)
     # SECOND is 75 tokens: block 0 exact, blocks 1-3 approximate (the copy starts at 20),
-    # so the follow-up computes only its last partial block.
+    # so the follow-up computes only its last partial block, less chunk A's last 4 tokens
+    # (64-67: the shared blocks end inside A, whose tail is copied).
     assert again.usage.cached_tokens == BLOCK  # exact prefix only
     assert again.usage.reused_approximate_prefix_tokens == 3 * BLOCK
     assert again.approximate
     assert again.usage.to_openai()["reused_approximate_prefix_tokens"] == 3 * BLOCK
-    assert computed == 75 - 4 * BLOCK
+    assert computed == 75 - 4 * BLOCK - 4 and again.usage.reused_nonprefix_tokens == 4
     # An exact request of the same prompt never sees them.
     assert exact.usage.cached_tokens == BLOCK and not exact.approximate
     expected = reference_logits(model, SECOND + exact.token_ids[:-1])[BLOCK:]

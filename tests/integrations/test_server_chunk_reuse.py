@@ -55,7 +55,7 @@ def test_malformed_opt_ins_are_refused_with_the_field(blend_client):
         ({"reuse": "magic"}, "ragkv.reuse"),
         ({"reuse": "blend", "k": -1}, "ragkv.k"),
         ({"reuse": "blend", "k": True}, "ragkv.k"),
-        ({"reuse": "blend", "strategy": "deviation"}, "ragkv.strategy"),
+        ({"reuse": "blend", "strategy": "attention"}, "ragkv.strategy"),
         ({"k": 4}, "ragkv.k"),
     ]:
         response = chat(blend_client, CHUNKS[:2], "Q?", **ragkv)

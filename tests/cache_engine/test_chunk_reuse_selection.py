@@ -1,0 +1,109 @@
+"""Which reused tokens are recomputed: deviation (CacheBlend's choice) against first-k, and
+a chunk the exact prefix hit ends inside.
+
+Two exact checks on tiny models: with two layers, the deviation probe refreshes layers 0
+and 1 of every token, which is every layer, so a deviation blend must equal the exact
+path whatever it chose; with one layer, K/V do not depend on context, so reusing the tail
+of a chunk that straddles the prefix hit must equal the exact path too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import ids, reference_logits, save_tiny_checkpoint
+
+from ragkv.cache_engine import Engine, SamplingParams
+from ragkv.cache_engine.chunk_reuse import BlendConfig, ChunkLocation, plan_blend
+
+ATOL = 1e-4
+BLOCK = 16
+SYSTEM, A, B = 20, 24, 24
+SYS, CHUNK_A, CHUNK_B = ids(1, SYSTEM), ids(2, A), ids(3, B)
+SPANS = [(SYSTEM, SYSTEM + A), (SYSTEM + A, SYSTEM + A + B)]
+FIRST = SYS + CHUNK_A + CHUNK_B + ids(4, 7)
+SECOND = SYS + CHUNK_B + CHUNK_A + ids(5, 7)
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}layers")
+def model(request, tmp_path_factory):
+    layers = request.param
+    path = save_tiny_checkpoint(
+        tmp_path_factory.mktemp(f"sel{layers}"), "llama", seed=5, num_hidden_layers=layers
+    )
+    from transformers import AutoModelForCausalLM
+
+    return layers, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def engine(path) -> Engine:
+    return Engine.from_pretrained(path, device="cpu", block_size=BLOCK, kv_cache_tokens=2048)
+
+
+def blend(path, prompt, spans, config, warm=FIRST):
+    """Warm the chunk index with ``warm`` (exact), then run ``prompt`` blended."""
+    with engine(path) as eng:
+        eng.generate(warm, GREEDY, chunk_spans=SPANS)
+        out = eng.generate(prompt, GREEDY, chunk_spans=spans, reuse=config, return_logits=True)
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks  # pins released
+    return out
+
+
+def test_deviation_recomputes_as_many_tokens_as_first_k(model):
+    layers, path, _ = model
+    first_k = blend(path, SECOND, SPANS, BlendConfig("first-k", k=4))
+    deviation = blend(path, SECOND, SPANS, BlendConfig("deviation", k=4))
+    assert deviation.usage.reused_nonprefix_tokens == first_k.usage.reused_nonprefix_tokens
+    assert deviation.usage.reused_nonprefix_tokens == A + B - 8
+    assert deviation.approximate and len(deviation.logits) == len(first_k.logits)
+
+
+def test_two_layer_deviation_blend_is_exact_because_the_probe_refreshed_every_layer(model):
+    layers, path, hf = model
+    if layers != 2:
+        pytest.skip("exact only when the probe's layers 0..1 are all the model's layers")
+    out = blend(path, SECOND, SPANS, BlendConfig("deviation", k=4))
+    expected = reference_logits(hf, SECOND + out.token_ids[:-1])
+    # rows: the computed prompt positions (unknown here: chosen by deviation), then decode
+    n = len(SECOND)
+    assert (out.logits[-1 - (len(out.token_ids) - 1) :] - expected[n - 1 :]).abs().max() <= ATOL
+
+
+def test_a_chunk_the_prefix_hit_ends_inside_is_reused_from_the_hit_on(model):
+    layers, path, hf = model
+    chunk_c = ids(6, 24)
+    # the hit covers SYS and A's first 12 tokens (two blocks shared with FIRST)
+    third = SYS + CHUNK_A + chunk_c + CHUNK_B + ids(7, 5)
+    spans = [(20, 44), (44, 68), (68, 92)]
+    out = blend(path, third, spans, BlendConfig("none"))
+    assert out.usage.cached_tokens == 32
+    assert out.usage.reused_nonprefix_tokens == (44 - 32) + B  # A's tail, and all of B
+    if layers == 1:  # K/V without context: copies equal fresh computation
+        reused = set(range(32, 44)) | set(range(68, 92))
+        rows = [p for p in range(32, len(third)) if p not in reused]
+        rows += range(len(third), len(third) + len(out.token_ids) - 1)
+        expected = reference_logits(hf, third + out.token_ids[:-1])[rows]
+        assert (out.logits - expected).abs().max().item() <= ATOL
+
+
+def test_deviation_plan_holds_first_k_stand_ins_until_the_runner_chooses():
+    location = ChunkLocation(start=100, num_tokens=8, block_ids=(6, 7), generations=(0, 0))
+    tokens = list(range(30))
+
+    def plan(config):
+        return plan_blend(tokens, [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
+
+    first_k = plan(BlendConfig("first-k", k=2))
+    deviation = plan(BlendConfig("deviation", k=2))
+    assert deviation.positions == first_k.positions  # same count, stand-ins in place
+    assert deviation.choose == 4 and deviation.reused_tokens == first_k.reused_tokens == 12
+    assert deviation.dst_positions == list(range(10, 26))
+    assert deviation.exact_until == 10 and deviation.start == 8
+    deviation.choose_recomputed([15, 16, 20, 25])
+    assert deviation.positions == [8, 9, 15, 16, 20, 25, 26, 27, 28, 29]
+    assert 15 not in deviation.dst_positions and len(deviation.dst_positions) == 12
+    assert len(deviation.src_slots) == len(deviation.deltas) == 12
+    assert deviation.choose == 0 and deviation.reused_tokens == 12
+    with pytest.raises(ValueError):
+        plan(BlendConfig("deviation", k=2)).choose_recomputed([8, 9, 10, 11])  # not copied
