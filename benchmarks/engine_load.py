@@ -6,9 +6,16 @@ threads keep ``N`` requests in flight against one ``Engine`` for ``--requests`` 
 each concurrency of ``--concurrency`` (``1,4,8``). One warm-up request first. Reports
 req/s, TTFT p50/p95 and inter-token latency p50 per concurrency, and each concurrency's
 throughput as a ratio of concurrency 1 (the figure to compare with vLLM's 1.94x and 2.48x).
-``--torch-threads`` sets ``torch.set_num_threads`` first (vLLM serves with one).
+``--torch-threads N[,M]`` sets the stepping thread's torch threads (vLLM serves with one).
+
+``--variants`` builds several engines in this one process and runs them alternately on
+the same prompts, ``--rounds`` times per level, reporting medians and each variant's ratio
+to the first: ``blas`` (eager, BLAS linears), ``packed`` (eager, linears packed for
+oneDNN: the default engine), ``compiled`` (TorchInductor, ``EngineConfig.compile``).
+On a shared machine compare these ratios, not absolute figures.
 
     python benchmarks/engine_load.py [--model DIR] [--concurrency 1,4,8] [--json out.json]
+    python benchmarks/engine_load.py --variants blas,packed --torch-threads 1,2 --rounds 3
 """
 
 from __future__ import annotations

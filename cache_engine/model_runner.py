@@ -369,7 +369,7 @@ class ModelRunner:
         )
         return out.logits[0].float()
 
-    def _scratch_forward(self, num_tokens: int, num_rows: int) -> None:
+    def _scratch_forward(self, num_tokens: int) -> None:
         """A forward of ``num_tokens`` tokens in block 0 of an empty pool (compile warm-up:
         no block holds anything yet, and the step writes only block 0)."""
         batch = ModelInput(
@@ -379,6 +379,6 @@ class ModelRunner:
             block_tables=[[0]],
             cu_seqlens_q=[0, num_tokens],
             seq_lens=[num_tokens],
-            logits_rows=list(range(num_tokens - num_rows, num_tokens)),
+            logits_rows=[num_tokens - 1],
         )
         self.forward(batch)
