@@ -62,16 +62,20 @@ def run_level(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
                 last = now
 
     threads = [threading.Thread(target=caller) for _ in range(conc)]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
     return {
         "concurrency": conc,
         "requests": len(prompts),
         "req_per_s": len(prompts) / wall,
+        # CPU seconds of this process per request: the work, less sensitive than req/s to
+        # other processes on the machine (idle torch threads spinning count too).
+        "cpu_s_per_req": cpu / len(prompts),
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p95_s": _percentile(ttft, 95),
         "itl_p50_s": statistics.median(itl) if itl else 0.0,
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     for (conc, name, threads), found in runs.items():
         level = {
             key: statistics.median(run[key] for run in found)
-            for key in ("req_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s")
+            for key in ("req_per_s", "cpu_s_per_req", "ttft_p50_s", "ttft_p95_s", "itl_p50_s")
         }
         level.update(concurrency=conc, variant=name, torch_threads=threads, runs=len(found))
         level["req_per_s_runs"] = [run["req_per_s"] for run in found]
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
             f"concurrency {level['concurrency']:>2}: {level['req_per_s']:.2f} req/s "
             f"({level['vs_first_level']:.2f}x c1, {level['vs_first_variant']:.2f}x first variant), "
             f"TTFT p50 {level['ttft_p50_s'] * 1000:.0f} ms p95 {level['ttft_p95_s'] * 1000:.0f} ms, "
-            f"ITL p50 {level['itl_p50_s'] * 1000:.0f} ms, runs "
+            f"ITL p50 {level['itl_p50_s'] * 1000:.0f} ms, "
+            f"CPU {level['cpu_s_per_req']:.2f} s/req, runs "
             + " ".join(f"{r:.2f}" for r in level["req_per_s_runs"])
         )
     report = {"levels": levels}
