@@ -12,12 +12,13 @@ would compile its own graph. TorchDynamo still specializes a size of 1, so there
 graphs (one token, a decode of one request; more tokens); :meth:`warm_up` compiles both
 when the engine starts, and no request pays for a compilation.
 
-Measured against the default eager path (linears packed for oneDNN,
-:mod:`~ragkv.cache_engine.packed_linear`) on SmolLM2-135M, 2-core AMD EPYC, one thread,
-CPU time per forward: decode of 1 / 4 requests 69 / 91 ms eager, 94 / 156 ms compiled;
-prefill of 64 tokens over 512 cached 213 ms eager, 335 ms compiled. Inductor keeps the
-BLAS GEMM, and its lowering rejects the oneDNN-packed linear, so on this CPU compiling
-loses; it stays opt-in for CPUs where BLAS is the faster GEMM.
+Measured with ``benchmarks/forward_cpu.py`` (SmolLM2-135M, 2-core AMD EPYC, one torch
+thread, CPU time per forward, 2026-12-02): decode of 1 / 4 requests 74 / 132 ms eager
+with BLAS linears, 79 / 146 ms compiled, 51 / 85 ms eager with packed linears (the
+default); a prefill of 64 tokens over 512 cached 307 / 319 / 184 ms. Inductor keeps the
+BLAS GEMM (its lowering rejects the oneDNN-packed linear), and the rest of a layer
+(norms, RoPE, activations) is too small a share for fusion to pay, so on this CPU
+compiling loses to the default; it stays opt-in.
 """
 
 from __future__ import annotations
