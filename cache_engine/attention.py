@@ -7,10 +7,22 @@ call. Each layer then (1) writes the step's new K/V into its paged cache and (2)
 over cached prefix + new tokens through the block table. The model never sees a
 transformers cache object, and no attention mask is materialized (the custom
 implementation is not in transformers' mask registry, so the mask is ``None``).
+
+A compiled forward (``EngineConfig.compile``, :mod:`~ragkv.cache_engine.compiled_forward`)
+cannot pass the context as an argument: TorchDynamo would trace the paged attention's
+Python (plans, host lists) and break the graph at every layer. It sets the context for
+the calling thread with :func:`step_scope` instead, and each layer calls the custom op
+``ragkv::paged_attention``, which the compiler treats as opaque (as vLLM's unified
+attention op does). The op writes the layer's K/V into the cache it reads from the
+context; no graph value depends on that write except through the op's own output, and
+layer ``i + 1``'s op needs layer ``i``'s output, so the compiler cannot reorder them.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,39 +85,85 @@ def paged_attention_forward(
     ``query`` is ``[1, num_heads, num_tokens, head_dim]`` (post-RoPE), ``key``/``value``
     ``[1, num_kv_heads, num_tokens, head_dim]``; returns ``[1, num_tokens, num_heads, head_dim]``.
     """
-    if ragkv_step is None:
-        raise RagkvError(
-            "the ragkv_paged attention implementation needs step metadata; run the model "
-            "through ragkv.cache_engine.Engine instead of calling it directly"
-        )
-    k_cache, v_cache = ragkv_step.kv_caches[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if ragkv_step is None:  # a compiled forward: the step is in scope (step_scope)
+        out = torch.ops.ragkv.paged_attention(query, key, value, module.layer_idx, scale)
+        return out, None
+    return attend(ragkv_step, module.layer_idx, query, key, value, scale), None
+
+
+def attend(
+    step: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Store one layer's new K/V and attend over the paged cache (shapes as
+    :func:`paged_attention_forward`'s); returns ``[1, num_tokens, num_heads, head_dim]``."""
+    k_cache, v_cache = step.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)
     store_kv(
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         k_cache,
         v_cache,
-        ragkv_step.slot_mapping,
-        backend=ragkv_step.backend,
+        step.slot_mapping,
+        backend=step.backend,
     )
-    if ragkv_step.stop_after_layer == module.layer_idx:
+    if step.stop_after_layer == layer_idx:
         raise ProbeDone
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_attention(
         q,
         k_cache,
         v_cache,
-        ragkv_step.block_table,
-        ragkv_step.cu_seqlens_q,
-        ragkv_step.seq_lens,
+        step.block_table,
+        step.cu_seqlens_q,
+        step.seq_lens,
         scale,
-        max_seqlen_q=ragkv_step.max_seqlen_q,
-        max_seqlen_k=ragkv_step.max_seqlen_k,
-        backend=ragkv_step.backend,
-        plan=ragkv_step.plan,
-        q_positions=ragkv_step.q_positions,
+        max_seqlen_q=step.max_seqlen_q,
+        max_seqlen_k=step.max_seqlen_k,
+        backend=step.backend,
+        plan=step.plan,
+        q_positions=step.q_positions,
     )
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
+
+
+_scope = threading.local()  # the step of the compiled forward running in this thread
+
+
+@contextmanager
+def step_scope(step: StepContext) -> Iterator[None]:
+    """Make ``step`` the context of every ``ragkv::paged_attention`` call in this thread."""
+    _scope.step = step
+    try:
+        yield
+    finally:
+        _scope.step = None
+
+
+@torch.library.custom_op("ragkv::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """:func:`attend` with the step in scope: the op a compiled forward calls per layer."""
+    step = getattr(_scope, "step", None)
+    if step is None:
+        raise RagkvError(
+            "the ragkv_paged attention implementation needs step metadata; run the model "
+            "through ragkv.cache_engine.Engine instead of calling it directly"
+        )
+    return attend(step, layer_idx, query, key, value, scale)
+
+
+@paged_attention_op.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    _, num_heads, num_tokens, head_dim = query.shape
+    return query.new_empty(1, num_tokens, num_heads, head_dim)
 
 
 def register_attention() -> str:

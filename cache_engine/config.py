@@ -61,7 +61,7 @@ class Flag:
     """How one :class:`EngineConfig` field appears on a command line (its ``metadata["flag"]``).
 
     ``name``: the option (default ``--`` + the field's name with dashes); a bool field's
-    flag turns the setting off. ``help`` may use argparse's ``%(default)s``. ``type``
+    flag flips its default (``--no-...`` for a setting on by default). ``help`` may use argparse's ``%(default)s``. ``type``
     converts the text (None: kept as a string); ``choices`` are checked after conversion.
     :mod:`ragkv.cache_engine.engine_flags` turns these into parser options.
     """
@@ -96,6 +96,10 @@ class EngineConfig:
     once, ``max_num_batched_tokens`` tokens per step. ``hash_algo`` names the block hash.
     ``schedule_policy``: "fcfs", or "longest-prefix" (admit the waiting request with the
     longest cached prefix first). ``backend``: the kernels' backend ("auto": Triton on CUDA).
+    ``prepack_linear``: on CPU in float32, the linear layers run through oneDNN over
+    weights packed once (:mod:`~ragkv.cache_engine.packed_linear`; twice the weights'
+    memory). ``compile``: the model forward compiled by TorchInductor when the engine starts
+    (:mod:`~ragkv.cache_engine.compiled_forward`; linears stay BLAS).
 
     KV tiers (off by default): blocks that leave the pool are kept in host memory
     (``host_cache_bytes``, 0 = off) and, with ``kv_store_dir``, on disk (at most
@@ -146,6 +150,16 @@ class EngineConfig:
     )
     backend: Backend = _setting(
         "auto", "kernels: auto (Triton on CUDA), triton or torch", choices=BACKENDS
+    )
+    prepack_linear: bool = _setting(
+        True,
+        "use BLAS linears: no weights packed once for oneDNN (CPU, float32 only)",
+        flag="--no-prepack-linear",
+    )
+    compile: bool = _setting(
+        False,
+        "compile the model forward with torch.compile (TorchInductor) when the engine starts",
+        flag="--compile",
     )
     host_cache_bytes: int = _setting(
         0, "KV tier in host memory for blocks evicted from the pool (default 0: off)", type=int

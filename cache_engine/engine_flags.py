@@ -41,7 +41,7 @@ def add_engine_flags(
     """Add one option per EngineConfig field in ``names`` (None: all but ``exclude``).
 
     Each option stores into the field's own name, with ``DEFAULTS``' value as its default;
-    a bool field's option turns it off. ``overrides`` maps a field to argparse keywords
+    a bool field's option flips its default. ``overrides`` maps a field to argparse keywords
     that replace the field's own (a command whose default means something else, e.g.
     ``{"kv_cache_tokens": {"help": "default: sized to the workload"}}``).
     """

@@ -29,6 +29,7 @@ from ragkv.cache_engine.attention import (
 )
 from ragkv.cache_engine.chunk_reuse.deviation import choose_by_deviation
 from ragkv.cache_engine.chunk_reuse.placement import place_chunks
+from ragkv.cache_engine.compiled_forward import CompiledForward
 from ragkv.cache_engine.config import EngineConfig, default_kv_bytes, resolve_device, resolve_dtype
 from ragkv.cache_engine.kv_cache_manager import slot_mapping
 from ragkv.cache_engine.model_support import (
@@ -37,6 +38,7 @@ from ragkv.cache_engine.model_support import (
     model_identity,
     read_config,
 )
+from ragkv.cache_engine.packed_linear import can_prepack, prepack_linears
 from ragkv.cache_engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from ragkv.cache_engine.step import ScheduledSlice, SchedulerOutput
 from ragkv.errors import ConfigError, InvalidInputError
@@ -91,6 +93,8 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         backend: Backend = "auto",
+        compile: bool = False,
+        prepack_linear: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -131,6 +135,13 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+        self.prepacked = prepack_linear and not compile and can_prepack(device, dtype)
+        if self.prepacked:
+            prepack_linears(self.model)
+        self.compiled: CompiledForward | None = None
+        if compile:
+            self.compiled = CompiledForward(self.model)
+            self.compiled.warm_up(self._scratch_forward)
         logger.info(
             "KV pool: %d blocks x %d tokens, %.1f MiB",
             num_blocks,
@@ -178,6 +189,8 @@ class ModelRunner:
             num_blocks=None if tokens is None else tokens // config.block_size,
             kv_cache_bytes=kv_bytes,
             backend=config.backend,
+            compile=config.compile,
+            prepack_linear=config.prepack_linear,
         )
         runner.path = path
         runner.model_name = name or model_config.get("_name_or_path") or path.name
@@ -259,14 +272,20 @@ class ModelRunner:
         step = self.step_context(batch)
         step.stop_after_layer = layer
         device = self.device
+        input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
+        positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         try:
-            self.model(
-                input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=device),
-                position_ids=torch.tensor([batch.positions], dtype=torch.long, device=device),
-                use_cache=False,
-                logits_to_keep=1,
-                ragkv_step=step,
-            )
+            if self.compiled is not None:  # compiled layers take the step from its scope
+                rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=device)
+                self.compiled(step, input_ids, positions, rows)
+            else:
+                self.model(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    use_cache=False,
+                    logits_to_keep=1,
+                    ragkv_step=step,
+                )
         except ProbeDone:
             return
         raise RuntimeError(f"the probe forward never reached layer {layer}")
@@ -386,6 +405,8 @@ class ModelRunner:
         input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=device)
+        if self.compiled is not None:
+            return self.compiled(step, input_ids, positions, rows)[0].float()
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
@@ -394,3 +415,17 @@ class ModelRunner:
             ragkv_step=step,
         )
         return out.logits[0].float()
+
+    def _scratch_forward(self, num_tokens: int) -> None:
+        """A forward of ``num_tokens`` tokens in block 0 of an empty pool (compile warm-up:
+        no block holds anything yet, and the step writes only block 0)."""
+        batch = ModelInput(
+            input_ids=[0] * num_tokens,
+            positions=list(range(num_tokens)),
+            slot_mapping=list(range(num_tokens)),
+            block_tables=[[0]],
+            cu_seqlens_q=[0, num_tokens],
+            seq_lens=[num_tokens],
+            logits_rows=[num_tokens - 1],
+        )
+        self.forward(batch)

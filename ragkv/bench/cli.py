@@ -22,7 +22,16 @@ QUICK_REQUESTS, QUICK_TOPICS, QUICK_MAX_TOKENS = 10, 3, 2
 BENCH_MAX_TOKENS = 8
 # The EngineConfig settings the bench takes from the command line (EngineConfig declares
 # their flags); the tier settings only shape the ragkv+tiers lane.
-ENGINE_FLAGS = ("model", "device", "dtype", "kv_cache_tokens", "block_size", "schedule_policy")
+ENGINE_FLAGS = (
+    "model",
+    "device",
+    "dtype",
+    "kv_cache_tokens",
+    "block_size",
+    "schedule_policy",
+    "prepack_linear",
+    "compile",
+)
 TIER_FLAGS = ("host_cache_bytes", "kv_store_dir", "kv_store_bytes", "kv_tier_write_policy")
 
 

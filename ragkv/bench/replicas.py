@@ -149,6 +149,8 @@ def run_replica_bench(
         dtype=dtype,
         block_size=bs,
         max_num_seqs=max(config.concurrency, 1),
+        prepack_linear=config.prepack_linear,
+        compile=config.compile,
     )
     model_name = [""]
 

@@ -42,6 +42,8 @@ class BenchConfig:
     schedule_policy: SchedulePolicy = (
         DEFAULTS.schedule_policy
     )  # the waiting queue's admission order
+    prepack_linear: bool = DEFAULTS.prepack_linear  # CPU fp32: linears packed for oneDNN
+    compile: bool = DEFAULTS.compile  # TorchInductor-compiled decoder layers
     max_tokens: int = 8
     concurrency: int = 8
     order: str = "cache-aware"
@@ -228,6 +230,8 @@ def run_bench(
         block_size=config.block_size,
         max_num_seqs=max(config.concurrency, 1),
         schedule_policy=config.schedule_policy,
+        prepack_linear=config.prepack_linear,
+        compile=config.compile,
     )
 
     store = _store_dir(config, names)
@@ -322,6 +326,8 @@ def run_bench(
             "concurrency": config.concurrency,
             "order": config.order,
             "schedule_policy": config.schedule_policy,
+            "prepack_linear": config.prepack_linear,
+            "compile": config.compile,
             **{k: v for k, v in tier_settings.items() if k != "kv_store_dir"},
         }
     )

@@ -27,8 +27,15 @@ def test_every_engine_setting_carries_its_flag():
     for spec in dataclasses.fields(EngineConfig):
         flag = spec.metadata.get("flag")
         assert isinstance(flag, Flag) and flag.help, spec.name
-        if isinstance(getattr(DEFAULTS, spec.name), bool):
-            assert flag.name and flag.name.startswith("--no-"), spec.name
+        default = getattr(DEFAULTS, spec.name)
+        if isinstance(default, bool):  # the flag flips the default, and its name says so
+            assert flag.name and flag.name.startswith("--no-") == default, spec.name
+
+
+def test_bool_flags_flip_their_defaults():
+    config = engine_config_from_args(parser().parse_args(["--compile", "--no-prepack-linear"]))
+    assert config.compile and not DEFAULTS.compile
+    assert not config.prepack_linear and DEFAULTS.prepack_linear
 
 
 def test_no_flags_build_the_default_config_and_the_help_renders():
