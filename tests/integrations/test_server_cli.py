@@ -218,3 +218,22 @@ def test_served_kv_events_reach_a_subscriber_with_the_clients_salt(tmp_path):
             feed.close()
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_torch_threads_is_the_processes_own_and_checked_before_the_model_loads(monkeypatch):
+    import torch
+
+    assert parse().torch_threads is None  # torch's own default: ragkv leaves it alone
+    args = parse("--torch-threads", "0", "--model", "x")
+    with pytest.raises(ConfigError, match="--torch-threads"):
+        args.func(args)
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    # A later check fails, still before the model loads: the thread count was set by then.
+    args = parse(
+        "--torch-threads", "1", "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558",
+        "--model", "x",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--kv-events-endpoint"):
+        args.func(args)
+    assert calls == [1]

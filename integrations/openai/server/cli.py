@@ -72,6 +72,8 @@ _LIMIT_FLAGS: tuple[tuple[str, type, int | float | None, str | None], ...] = (
     ("--work-threads", int, None, "threads that decode, tokenize and assemble requests, taken "
      "round-robin by tenant; one tenant holds at most all but one (default: the cores, 2 to 8, "
      "plus one)"),
+    ("--torch-threads", int, None, "torch compute threads of this process (default: torch's "
+     "own, the cores; on a small CPU machine 1 often serves more: see docs/serving.md)"),
     ("--max-stop-strings", int, DEFAULT_MAX_STOP_STRINGS, None),
     ("--max-prompt-tokens", int, None, "default: the model context"),
     ("--default-max-tokens", int, DEFAULT_MAX_TOKENS, "new tokens a chat request that sets no "
@@ -189,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
         max_messages=args.max_messages,
     )
     config = engine_config_from_args(args)  # validated here, before the model loads
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)  # the server owns its process
     if args.kv_events_endpoint is None and args.kv_events_replay_endpoint is not None:
         raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     engine = Engine(config)
