@@ -142,7 +142,10 @@ def request_schemas(
                         "description": "opt-in position-independent chunk reuse (approximate; "
                         "servers started with --reuse blend)",
                     },
-                    "strategy": {"type": ["string", "null"], "enum": ["none", "first-k", "deviation", None]},
+                    "strategy": {
+                        "type": ["string", "null"],
+                        "enum": ["none", "first-k", "deviation", None],
+                    },
                     "k": {"type": ["integer", "null"], "minimum": 0, "maximum": 1024},
                 },
                 "additionalProperties": False,
