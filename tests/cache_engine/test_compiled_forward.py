@@ -16,6 +16,7 @@ from ragkv.cache_engine import Engine, SamplingParams
 from ragkv.errors import RagkvError
 
 ATOL = 1e-4
+pytestmark = pytest.mark.slow  # compiling takes 10-30 s on 2 cores
 
 
 def make_engine(path, **kwargs) -> Engine:
