@@ -12,7 +12,9 @@ points at a running one; client and server then share one Python process (and it
 the latencies are an upper bound for a separate server process.
 
 Usage: ``python benchmarks/serve_load.py [--model DIR] [--clients 64] [--requests 3]
-[--max-tokens 16] [--dtype bfloat16] [--url http://127.0.0.1:8000] [--json]``
+[--max-tokens 16] [--dtype bfloat16] [--url http://127.0.0.1:8000] [--json]``; the shape
+of issue 31's aiperf runs (a ~512-token shared context, ~64 new tokens, 8 out):
+``--context-chars 2200 --question-words 48 --max-tokens 8 --warm-up 2``.
 """
 
 from __future__ import annotations
@@ -26,16 +28,27 @@ import time
 import httpx
 
 
-def build_prompts(clients: int, requests: int, context_chars: int) -> list[list[str]]:
+def build_prompts(
+    clients: int, requests: int, context_chars: int, question_words: int = 0
+) -> list[list[str]]:
+    """Each client's prompts: the shared context, then a question of its own; with
+    ``question_words``, that many words drawn per request follow it, so every request has
+    about that many new prompt tokens no cache holds (aiperf's "synthetic input" shape)."""
+    import random
+
     from ragkv.corpus import demo_corpus
 
     passages = [c.content for c in demo_corpus()[:8]]
     context = "Answer from these passages.\n\n" + "\n\n".join(passages)
     context = context[:context_chars]
-    return [
-        [f"{context}\n\nQuestion {i}.{j}: what does passage {j % 8} say?" for j in range(requests)]
-        for i in range(clients)
-    ]
+    words = sorted(set(" ".join(passages).split()))
+    rng = random.Random(0)
+
+    def question(i: int, j: int) -> str:
+        tail = " ".join(rng.choice(words) for _ in range(question_words))
+        return f"Question {i}.{j}: {tail} what does passage {j % 8} say?"
+
+    return [[f"{context}\n\n{question(i, j)}" for j in range(requests)] for i in range(clients)]
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
@@ -65,12 +78,19 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_toke
 
 
 async def run_load(
-    url: str, api_key: str | None, prompts: list[list[str]], max_tokens: int
+    url: str,
+    api_key: str | None,
+    prompts: list[list[str]],
+    max_tokens: int,
+    warm: list[str] | None = None,
 ) -> dict:
+    """Each client's prompts in turn, all clients at once, after ``warm`` one by one."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        for prompt in warm or []:
+            await one_request(http, model, prompt, max_tokens)
         results: list[dict] = []
 
         async def client(own: list[str]) -> None:
@@ -118,11 +138,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3, help="per client, sequential")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--context-chars", type=int, default=1500)
+    parser.add_argument(
+        "--question-words", type=int, default=0, help="random words per request (new tokens)"
+    )
+    parser.add_argument(
+        "--warm-up", type=int, default=0, help="requests sent one by one first, not measured"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    prompts = build_prompts(args.clients, args.requests, args.context_chars)
+    prompts = build_prompts(args.clients, args.requests, args.context_chars, args.question_words)
+    # Own questions (one more word each), so the measured ones stay uncached.
+    warm = build_prompts(1, args.warm_up, args.context_chars, args.question_words + 1)[0]
     if args.url:
-        report = asyncio.run(run_load(args.url, args.api_key, prompts, args.max_tokens))
+        report = asyncio.run(run_load(args.url, args.api_key, prompts, args.max_tokens, warm))
     else:
         from ragkv.cache_engine import Engine
         from ragkv.integrations.openai.server.app import create_app
@@ -134,7 +162,7 @@ def main() -> None:
             ) as engine,
             ServerThread(create_app(engine)) as url,
         ):
-            report = asyncio.run(run_load(url, None, prompts, args.max_tokens))
+            report = asyncio.run(run_load(url, None, prompts, args.max_tokens, warm))
     report.update(clients=args.clients, per_client=args.requests, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(report, indent=2))
