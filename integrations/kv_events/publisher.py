@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Hashable
 from typing import Any
 
 from ragkv.cache_engine.block_hash import digest_salt
@@ -51,22 +52,44 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class SaltViews:
     """Engine salt digest -> the client's salt digest (None: the client sent no salt), for
-    the last ``max_entries`` salts seen (least recently seen forgotten first)."""
+    the last ``max_entries`` salts seen (least recently seen forgotten first), at most
+    ``max_per_tenant`` of them one tenant's: a tenant sending ever new salts forgets its own
+    oldest views, not another tenant's (whose blocks would then be a routing miss)."""
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    def __init__(self, max_entries: int = 100_000, max_per_tenant: int = 10_000) -> None:
+        if min(max_entries, max_per_tenant) < 1:
+            raise ValueError("max_entries and max_per_tenant must be >= 1")
         self.max_entries = max_entries
-        self._views: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self.max_per_tenant = max_per_tenant
+        self._views: OrderedDict[bytes, tuple[bytes | None, Hashable]] = OrderedDict()
+        self._by_tenant: dict[Hashable, OrderedDict[bytes, None]] = {}
         self._lock = threading.Lock()
 
-    def note(self, engine_salt: str, client_salt: str | None) -> None:
-        """A request's salt as the engine sees it, and as its client sent it."""
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def note(self, engine_salt: str, client_salt: str | None, tenant: Hashable = None) -> None:
+        """A request's salt as the engine sees it, and as its ``tenant``'s client sent it."""
         key = digest_salt(engine_salt)
         view = None if client_salt is None else digest_salt(client_salt)
         with self._lock:
-            self._views[key] = view
-            self._views.move_to_end(key)
+            self._forget(key)
+            self._views[key] = (view, tenant)
+            own = self._by_tenant.setdefault(tenant, OrderedDict())
+            own[key] = None
+            while len(own) > self.max_per_tenant:
+                self._forget(next(iter(own)))
             while len(self._views) > self.max_entries:
-                self._views.popitem(last=False)
+                self._forget(next(iter(self._views)))
+
+    def _forget(self, key: bytes) -> None:
+        held = self._views.pop(key, None)
+        if held is None:
+            return
+        own = self._by_tenant[held[1]]
+        del own[key]
+        if not own:
+            del self._by_tenant[held[1]]
 
     def client_view(self, event: KVEvent) -> KVEvent:
         """``event`` with a first block's engine salt replaced by the client's (unknown
@@ -82,7 +105,7 @@ class SaltViews:
         with self._lock:
             if first[1] not in self._views:
                 return event
-            view = self._views[first[1]]
+            view = self._views[first[1]][0]
         keys = [None if view is None else [SALT_DIGEST_KEY, view], *extra[1:]]
         return dataclasses.replace(event, extra_keys=keys)
 

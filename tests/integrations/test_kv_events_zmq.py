@@ -122,3 +122,27 @@ def test_publisher_thread_publishes_what_the_engine_buffers(publisher):
         assert batch is not None and batch.events[0] == _stored(3)
     finally:
         feed.close()
+
+
+def test_a_tenant_flooding_salt_views_forgets_its_own_not_anothers():
+    from ragkv.cache_engine.block_hash import digest_salt
+    from ragkv.cache_engine.kv_events import SALT_DIGEST_KEY
+    from ragkv.integrations.kv_events.publisher import SaltViews
+
+    views = SaltViews(max_entries=8, max_per_tenant=3)
+
+    def seen_as(engine_salt: str) -> object:
+        extra = [[SALT_DIGEST_KEY, digest_salt(engine_salt)]]
+        event = BlockStored([1], None, list(range(BS)), BS, extra_keys=extra)
+        return views.client_view(event).extra_keys[0]
+
+    views.note("bob/engine", "bob-salt", tenant="bob")
+    for i in range(20):  # alice sends ever new salts
+        views.note(f"alice/engine/{i}", f"alice-{i}", tenant="alice")
+    assert len(views) == 1 + 3
+    assert seen_as("bob/engine") == [SALT_DIGEST_KEY, digest_salt("bob-salt")]
+    assert seen_as("alice/engine/19") == [SALT_DIGEST_KEY, digest_salt("alice-19")]
+    # alice's oldest are forgotten: the event keeps the engine's salt (a routing miss)
+    assert seen_as("alice/engine/0") == [SALT_DIGEST_KEY, digest_salt("alice/engine/0")]
+    views.note("bob/engine", None, tenant="bob")  # the same engine salt, seen again
+    assert len(views) == 4 and seen_as("bob/engine") is None

@@ -317,7 +317,7 @@ async def _parse(
     client_salt = parsed.cache_salt
     parsed.cache_salt = auth.tenant_salt(tenant, client_salt, served.tenant_secret)
     if served.salt_views is not None:  # KV events name blocks by the client's salt
-        served.salt_views.note(parsed.cache_salt, client_salt)
+        served.salt_views.note(parsed.cache_salt, client_salt, tenant)
     return parsed
 
 
