@@ -16,7 +16,8 @@ sources. Pure Python. Safety, in the order of the protocol:
   after it. Chunks are taken from the request's own prefill, not computed again alone.
 
 A request is planned at its first admission only; a recompute after preemption is exact.
-A plan larger than one step's token budget falls back to the exact path (counted).
+A plan larger than one step's token budget (a deviation plan: its probe too) falls back to
+the exact path (counted).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class ChunkReuseSource:
             lookup,
             kv.block_size,
         )
-        if plan is not None and len(plan.positions) > self.max_step_tokens:
+        if plan is not None and self._step_tokens(request, plan) > self.max_step_tokens:
             request.blend_tried = True
             self.num_fallbacks += 1
             plan = None
@@ -84,6 +85,15 @@ class ChunkReuseSource:
             scope=scope,
             handle=plan,
         )
+
+    @staticmethod
+    def _step_tokens(request: Request, plan: BlendPlan) -> int:
+        """Tokens the plan's step runs through the model: the computed ones, and with
+        ``deviation`` its probe over every token from the plan's start (two layers, but
+        attending over the whole sequence: bounded like any step)."""
+        if plan.choose:
+            return max(len(plan.positions), request.num_tokens - plan.start)
+        return len(plan.positions)
 
     def is_ready(self, request: Request) -> bool:
         return True  # nothing loads: the K/V is in the pool

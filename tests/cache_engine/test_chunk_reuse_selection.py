@@ -107,3 +107,45 @@ def test_deviation_plan_holds_first_k_stand_ins_until_the_runner_chooses():
     assert deviation.choose == 0 and deviation.reused_tokens == 12
     with pytest.raises(ValueError):
         plan(BlendConfig("deviation", k=2)).choose_recomputed([8, 9, 10, 11])  # not copied
+
+
+def test_deviation_chooses_the_copied_tokens_whose_values_moved_most():
+    from ragkv.cache_engine.chunk_reuse.deviation import choose_by_deviation
+    from ragkv.cache_engine.chunk_reuse.planner import BlendPlan
+
+    block_size, table = 4, [3, 1, 2]  # positions 0-3 in block 3, 4-7 in 1, 8-11 in 2
+    copied = list(range(4, 11))
+    plan = BlendPlan(
+        positions=[4, 5, 11],  # 4 and 5: first-k stand-ins, among the copied positions
+        dst_positions=copied,
+        src_slots=list(range(100, 107)),
+        deltas=[0] * len(copied),
+        choose=2,
+    )
+    caches = [(torch.zeros(4, block_size, 1, 2), torch.zeros(4, block_size, 1, 2)) for _ in "ab"]
+    moved = {9: 5.0, 6: 3.0, 10: 1.0}  # positions whose fresh values differ, by how much
+
+    def probe(layer: int) -> None:
+        values = caches[layer][1]
+        for position, by in moved.items():
+            values[table[position // block_size], position % block_size] += by
+
+    choose_by_deviation(plan, table, caches, block_size, probe)
+    assert plan.positions == [6, 9, 11] and plan.choose == 0
+    assert plan.dst_positions == [4, 5, 7, 8, 10]
+    assert plan.src_slots == [100, 101, 103, 104, 106]
+
+
+def test_a_deviation_probe_larger_than_a_step_falls_back_to_the_exact_path(model):
+    layers, path, _ = model
+    with Engine.from_pretrained(
+        path, device="cpu", block_size=BLOCK, kv_cache_tokens=2048, max_num_batched_tokens=32
+    ) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        first_k = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("first-k", k=4))
+        deviation = eng.generate(
+            SECOND[:-1] + [9], GREEDY, chunk_spans=SPANS, reuse=BlendConfig("deviation", k=4)
+        )
+        fallbacks = eng.stats().blend_fallbacks
+    assert first_k.approximate  # 19 computed tokens fit the step
+    assert not deviation.approximate and fallbacks == 1  # its probe of 59 tokens does not
