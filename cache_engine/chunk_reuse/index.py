@@ -10,7 +10,8 @@ it), so an entry whose blocks have moved on is dropped, never read. Pure Python,
 An entry is *exact* (computed over exact K/V only) or *approximate*: a chunk a blended
 request computed after its first copied token attended to copied K/V. An approximate entry
 carries the reuse settings that made it (its *scope*) and is found only by lookups of the
-same scope; it never replaces a live exact entry. Only opted-in requests look anything up,
+same scope; it never replaces a live exact entry (one of another scope, which its
+requests could not find, it does). Only opted-in requests look anything up,
 so no exact request ever reads what this index points at.
 """
 
@@ -98,14 +99,19 @@ class ChunkIndex:
     ) -> None:
         """Record the chunk ``token_ids`` computed at ``start`` in ``block_table``: exactly
         (``scope`` None), or approximately under the reuse settings ``scope``, which then
-        leaves a live entry of the same tokens as it is."""
+        leaves a live exact entry of the same tokens, or one of the same scope, as it is."""
         if not token_ids or len(token_ids) > self.max_tokens:
             return
         tokens = tokens_to_bytes(token_ids)
         key = self._key(salt_digest, tokens)
         if scope is not None:
             held = self._entries.get(key)
-            if held is not None and held.tokens == tokens and held.is_live(generations):
+            if (
+                held is not None
+                and held.tokens == tokens
+                and held.scope in (None, scope)
+                and held.is_live(generations)
+            ):
                 return
         first, last = start // block_size, (start + len(token_ids) - 1) // block_size
         block_ids = tuple(block_table[first : last + 1])

@@ -328,3 +328,21 @@ def test_kv_events_tell_only_exact_blocks_stored_and_removed(two_layers):
     assert blended.usage.reused_nonprefix_tokens == A + B  # it left 3 approximate blocks
     assert len(removed) >= 4  # FIRST's blocks, evicted with them
     assert set(removed) <= set(stored)  # but an approximate block is never told
+
+
+def test_an_approximate_chunk_entry_yields_to_exact_and_to_its_own_scope_only():
+    from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
+
+    index, gens, tokens = ChunkIndex(), [0] * 8, ids(6, 8)
+    index.record(None, tokens, 0, [1], BLOCK, gens, b"scope-x")
+    index.record(None, tokens, 0, [2], BLOCK, gens, b"scope-y")  # x's is no use to y
+    assert index.lookup(None, tokens, gens, b"scope-x") is None
+    assert index.lookup(None, tokens, gens, b"scope-y").block_ids == (2,)
+    index.record(None, tokens, 0, [3], BLOCK, gens, b"scope-y")  # a live one of its scope
+    assert index.lookup(None, tokens, gens, b"scope-y").block_ids == (2,)
+    index.record(None, tokens, 0, [4], BLOCK, gens)  # exact replaces it
+    index.record(None, tokens, 0, [5], BLOCK, gens, b"scope-x")  # and is never replaced
+    assert index.lookup(None, tokens, gens, b"scope-x").block_ids == (4,)
+    gens[4] += 1  # exact entry's block handed out again: an approximate one may take over
+    index.record(None, tokens, 0, [5], BLOCK, gens, b"scope-x")
+    assert index.lookup(None, tokens, gens, b"scope-x").block_ids == (5,)
