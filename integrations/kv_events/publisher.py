@@ -47,20 +47,23 @@ DEFAULT_TOPIC = ""  # vLLM's default
 DEFAULT_REPLAY_BATCHES = 10_000
 # Events per published batch at most (a drain after a long pause is split).
 MAX_BATCH_EVENTS = 4096
+# A tenant's share of the salt views when a server has several tenants.
+SALT_VIEWS_PER_TENANT = 10_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class SaltViews:
     """Engine salt digest -> the client's salt digest (None: the client sent no salt), for
-    the last ``max_entries`` salts seen (least recently seen forgotten first), at most
-    ``max_per_tenant`` of them one tenant's: a tenant sending ever new salts forgets its own
-    oldest views, not another tenant's (whose blocks would then be a routing miss)."""
+    the last ``max_entries`` salts seen (least recently seen forgotten first). With several
+    tenants, ``max_per_tenant`` caps one tenant's share: a tenant sending ever new salts
+    then forgets its own oldest views, not another tenant's (whose blocks would become a
+    routing miss). None: no cap besides ``max_entries`` (one tenant)."""
 
-    def __init__(self, max_entries: int = 100_000, max_per_tenant: int = 10_000) -> None:
-        if min(max_entries, max_per_tenant) < 1:
+    def __init__(self, max_entries: int = 100_000, max_per_tenant: int | None = None) -> None:
+        if max_entries < 1 or (max_per_tenant is not None and max_per_tenant < 1):
             raise ValueError("max_entries and max_per_tenant must be >= 1")
         self.max_entries = max_entries
-        self.max_per_tenant = max_per_tenant
+        self.max_per_tenant = max_entries if max_per_tenant is None else max_per_tenant
         self._views: OrderedDict[bytes, tuple[bytes | None, Hashable]] = OrderedDict()
         self._by_tenant: dict[Hashable, OrderedDict[bytes, None]] = {}
         self._lock = threading.Lock()
@@ -243,4 +246,10 @@ class KVEventPublisher:
         self._replay_sock.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-__all__ = ["DEFAULT_REPLAY_BATCHES", "DEFAULT_TOPIC", "KVEventPublisher", "SaltViews"]
+__all__ = [
+    "DEFAULT_REPLAY_BATCHES",
+    "DEFAULT_TOPIC",
+    "SALT_VIEWS_PER_TENANT",
+    "KVEventPublisher",
+    "SaltViews",
+]

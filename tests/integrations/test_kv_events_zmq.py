@@ -146,3 +146,12 @@ def test_a_tenant_flooding_salt_views_forgets_its_own_not_anothers():
     assert seen_as("alice/engine/0") == [SALT_DIGEST_KEY, digest_salt("alice/engine/0")]
     views.note("bob/engine", None, tenant="bob")  # the same engine salt, seen again
     assert len(views) == 4 and seen_as("bob/engine") is None
+
+
+def test_one_tenants_salt_views_have_the_whole_bound():
+    from ragkv.integrations.kv_events.publisher import SaltViews
+
+    views = SaltViews(max_entries=8)  # as `ragkv serve` builds it without several tenants
+    for i in range(20):
+        views.note(f"engine/{i}", f"client-{i}", tenant="anonymous")
+    assert len(views) == 8

@@ -202,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(config)
     publisher = None
     if args.kv_events_endpoint is not None:
-        from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
+        from ragkv.integrations.kv_events.publisher import (
+            SALT_VIEWS_PER_TENANT,
+            KVEventPublisher,
+            SaltViews,
+        )
 
         for endpoint in (args.kv_events_endpoint, args.kv_events_replay_endpoint):
             if endpoint is not None and not _is_private_endpoint(endpoint):
@@ -211,12 +215,13 @@ def run(args: argparse.Namespace) -> int:
                     "connects; bind loopback (or ipc://) unless the network is private",
                     endpoint,
                 )
+        tenants = len(set(api_keys.values())) if api_keys else 1
         publisher = KVEventPublisher(
             engine.kv_events(args.kv_events_buffer),
             args.kv_events_endpoint,
             replay_endpoint=args.kv_events_replay_endpoint,
             topic=args.kv_events_topic,
-            salt_views=SaltViews(),
+            salt_views=SaltViews(max_per_tenant=SALT_VIEWS_PER_TENANT if tenants > 1 else None),
         ).start()
     with engine:
         app = create_app(
