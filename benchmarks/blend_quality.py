@@ -252,8 +252,9 @@ def run_dataset(args: argparse.Namespace) -> list[dict[str, Any]]:
             passages = list(example.passages[: args.passages])
             warm = pipe.prepare(example.question, passages, system=INSTRUCTION).plan
             order = passages[:]
-            while len(order) > 1 and order[0] == passages[0]:  # every prompt moves
-                rng.shuffle(order)
+            if len(set(passages)) > 1:  # the first passage moves (not when all are alike)
+                while order[0] == passages[0]:
+                    rng.shuffle(order)
             plan = pipe.prepare(example.question, order, system=INSTRUCTION).plan
             spans = _spans(plan)
             chunk_tokens = sum(end - start for start, end in spans)

@@ -29,7 +29,11 @@ import httpx
 
 
 def build_prompts(
-    clients: int, requests: int, context_chars: int, question_words: int = 0
+    clients: int,
+    requests: int,
+    context_chars: int,
+    question_words: int = 0,
+    label: str = "Question",
 ) -> list[list[str]]:
     """Each client's prompts: the shared context, then a question of its own; with
     ``question_words``, that many words drawn per request follow it, so every request has
@@ -46,7 +50,7 @@ def build_prompts(
 
     def question(i: int, j: int) -> str:
         tail = " ".join(rng.choice(words) for _ in range(question_words))
-        return f"Question {i}.{j}: {tail} what does passage {j % 8} say?"
+        return f"{label} {i}.{j}: {tail} what does passage {j % 8} say?"
 
     return [[f"{context}\n\n{question(i, j)}" for j in range(requests)] for i in range(clients)]
 
@@ -147,8 +151,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     prompts = build_prompts(args.clients, args.requests, args.context_chars, args.question_words)
-    # Own questions (one more word each), so the measured ones stay uncached.
-    warm = build_prompts(1, args.warm_up, args.context_chars, args.question_words + 1)[0]
+    # Their own label right after the context, so no measured prompt finds its words cached.
+    warm = build_prompts(1, args.warm_up, args.context_chars, args.question_words, "Warm-up")[0]
     if args.url:
         report = asyncio.run(run_load(args.url, args.api_key, prompts, args.max_tokens, warm))
     else:

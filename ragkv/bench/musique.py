@@ -41,7 +41,9 @@ def load_musique(path: str | Path, limit: int | None = None) -> list[MusiqueExam
     Raises :class:`~ragkv.errors.InvalidInputError` naming the example that does not fit
     the format (a missing file raises ``FileNotFoundError``).
     """
-    data = json.loads(Path(path).read_text())
+    if limit is not None and limit < 0:
+        raise InvalidInputError(f"limit must be >= 0, got {limit}")
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, list):
         raise InvalidInputError(f"{path}: expected a JSON list of examples")
     examples = []
@@ -55,7 +57,9 @@ def load_musique(path: str | Path, limit: int | None = None) -> list[MusiqueExam
             ) from None
         if not isinstance(question, str) or not passages:
             raise InvalidInputError(f"{path}: example {number} has no question or no passage")
-        examples.append(MusiqueExample(question, tuple(map(str, answers)), passages))
+        if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+            raise InvalidInputError(f"{path}: example {number}'s answers must be a list of str")
+        examples.append(MusiqueExample(question, tuple(answers), passages))
     return examples
 
 

@@ -41,3 +41,14 @@ def test_the_shared_file_loads_ten_passages_per_example():
     examples = load_musique(SHARED / "musique_dev.json", limit=3)
     assert len(examples) == 3
     assert all(len(e.passages) == 10 and e.question and e.answers for e in examples)
+
+
+@pytest.mark.parametrize("answers", ["Paris", None, [1]])
+def test_answers_that_are_not_a_list_of_strings_are_refused(tmp_path, answers):
+    item = {"question": "q?", "answers": answers, "ctxs": [{"title": "t", "text": "x"}]}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([item]), encoding="utf-8")
+    with pytest.raises(InvalidInputError, match="example 0's answers"):
+        load_musique(path)
+    with pytest.raises(InvalidInputError, match="limit"):
+        load_musique(path, limit=-1)
