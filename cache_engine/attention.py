@@ -137,11 +137,12 @@ _scope = threading.local()  # the step of the compiled forward running in this t
 @contextmanager
 def step_scope(step: StepContext) -> Iterator[None]:
     """Make ``step`` the context of every ``ragkv::paged_attention`` call in this thread."""
+    previous = getattr(_scope, "step", None)
     _scope.step = step
     try:
         yield
     finally:
-        _scope.step = None
+        _scope.step = previous
 
 
 @torch.library.custom_op("ragkv::paged_attention", mutates_args=())

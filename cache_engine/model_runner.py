@@ -269,23 +269,8 @@ class ModelRunner:
             seq_lens=[end],
             logits_rows=[end - start - 1],
         )
-        step = self.step_context(batch)
-        step.stop_after_layer = layer
-        device = self.device
-        input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
-        positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         try:
-            if self.compiled is not None:  # compiled layers take the step from its scope
-                rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=device)
-                self.compiled(step, input_ids, positions, rows)
-            else:
-                self.model(
-                    input_ids=input_ids,
-                    position_ids=positions,
-                    use_cache=False,
-                    logits_to_keep=1,
-                    ragkv_step=step,
-                )
+            self.forward(batch, stop_after_layer=layer)
         except ProbeDone:
             return
         raise RuntimeError(f"the probe forward never reached layer {layer}")
@@ -398,10 +383,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor:
-        """Run the model over one step; returns fp32 logits ``[len(batch.logits_rows), vocab]``."""
+    def forward(self, batch: ModelInput, stop_after_layer: int | None = None) -> torch.Tensor:
+        """Run the model over one step; returns fp32 logits ``[len(batch.logits_rows), vocab]``.
+        ``stop_after_layer``: a probe, which raises :class:`ProbeDone` once that layer has
+        stored its K/V."""
         device = self.device
         step = self.step_context(batch)
+        step.stop_after_layer = stop_after_layer
         input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=device)

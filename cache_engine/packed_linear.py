@@ -54,7 +54,11 @@ def prepack_linears(model: Any) -> int:
     """
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear:
+        if (
+            type(module) is torch.nn.Linear
+            and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu"
+        ):
             module.forward = PackedLinear(module)  # type: ignore[method-assign,assignment]
             count += 1
     logger.info("packed %d linear layers for oneDNN", count)
