@@ -16,12 +16,11 @@ attention reads it).
 from __future__ import annotations
 
 import contextlib
-import itertools
-import struct
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ragkv.cache_engine.block_events import BlockEvents
 from ragkv.cache_engine.block_hash import (
     APPROXIMATE_LABEL,
     BlockHasher,
@@ -34,15 +33,7 @@ from ragkv.cache_engine.block_hash import (
 from ragkv.cache_engine.block_pool import BlockPool
 from ragkv.cache_engine.cache_stats import CacheStats
 from ragkv.cache_engine.config import DEFAULTS
-from ragkv.cache_engine.kv_events import (
-    POOL_MEDIUM,
-    SALT_DIGEST_KEY,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    wire_hash,
-)
+from ragkv.cache_engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent, wire_hash
 from ragkv.errors import ConfigError
 
 
@@ -95,7 +86,7 @@ class KVCacheManager:
         self._one = resolve_algo(algo)  # approximate keys (stepping thread)
         self._extra = encode_extra_keys(extra_keys)
         self._root = root_hash(algo)  # a first block's parent in its hash input
-        self._unpack = struct.Struct(f"<{block_size}i").unpack_from  # a hash input's tokens
+        self._events = BlockEvents(block_size, self._root, self._extra)
         self._requests: dict[Hashable, _RequestState] = {}
         self._stats = CacheStats(num_blocks=num_blocks)
         self._sink: Callable[[KVEvent], None] | None = None
@@ -126,63 +117,16 @@ class KVCacheManager:
 
     def snapshot_events(self) -> list[KVEvent]:
         """What a new event consumer needs to know the prefix cache as it is now:
-        ``AllBlocksCleared``, then one ``BlockStored`` per cached block a prefix can reach
-        (its chain registered back to a prompt's first block), parents first. Read from the
-        blocks' stored hash inputs (parent ‖ tokens ‖ extra keys, a first block's salt
-        digest last). Call it on the stepping thread, or with the engine's lock held."""
-        pool, root = self.pool, self._root
-        children: dict[bytes, list[bytes]] = {}
-        for block_hash, block_id in pool.cached.items():
-            hash_input = pool.hash_input[block_id]
-            assert hash_input is not None  # set with the hash
-            children.setdefault(hash_input[: len(block_hash)], []).append(block_hash)
-        events: list[KVEvent] = [AllBlocksCleared()]
-        todo = list(children.get(root, ()))
-        while todo:  # depth first: a block is emitted before its children are pushed
-            block_hash = todo.pop()
-            data = pool.hash_input[pool.cached[block_hash]]
-            assert data is not None
-            events.append(self._stored_event(block_hash, data, POOL_MEDIUM))
-            todo.extend(children.get(block_hash, ()))
-        return events
+        ``AllBlocksCleared``, then one ``BlockStored`` per cached block a prefix can reach,
+        parents first (:meth:`BlockEvents.snapshot`). Call it on the stepping thread, or
+        with the engine's lock held."""
+        return self._events.snapshot(self.pool)
 
     def stored_events(self, blocks: Sequence[tuple[bytes, bytes]], medium: str) -> list[KVEvent]:
         """One ``BlockStored`` in ``medium`` per ``(hash, hash input)`` of an exact block (a
         KV tier's entries), parents before their children among them. Reads only what never
         changes after construction: any thread may call it (a tier's worker does)."""
-        known = {block_hash: data for block_hash, data in blocks}
-        children: dict[bytes, list[bytes]] = {}
-        todo: list[bytes] = []
-        for block_hash, data in known.items():
-            parent = data[: len(block_hash)]
-            if parent in known:
-                children.setdefault(parent, []).append(block_hash)
-            else:
-                todo.append(block_hash)  # a first block, or its parent is held elsewhere
-        events: list[KVEvent] = []
-        while todo:
-            block_hash = todo.pop()
-            events.append(self._stored_event(block_hash, known[block_hash], medium))
-            todo.extend(children.get(block_hash, ()))
-        return events
-
-    def _stored_event(self, block_hash: bytes, data: bytes, medium: str) -> BlockStored:
-        """A block's ``BlockStored`` decoded from its hash input: parent ‖ tokens (int32,
-        little-endian) ‖ extra keys, and a salted first block's salt digest last."""
-        bs, size = self.block_size, len(block_hash)
-        parent = data[:size]
-        first = parent == self._root
-        extra: list[object] = [None]
-        if first and len(data) > size + 4 * bs + len(self._extra):  # salted
-            extra = [[SALT_DIGEST_KEY, data[-32:]]]
-        return BlockStored(
-            block_hashes=[wire_hash(block_hash)],
-            parent_block_hash=None if first else wire_hash(parent),
-            token_ids=list(self._unpack(data, size)),
-            block_size=bs,
-            medium=medium,
-            extra_keys=extra,
-        )
+        return self._events.stored(blocks, medium)
 
     def pin(self, block_ids: list[int]) -> None:
         """Take a reference on blocks a request reads but does not own (a KV source's plan)."""
@@ -425,7 +369,11 @@ class KVCacheManager:
             self._cache_approximate(state, max(num_exact, first), num_full)
         state.num_cached_blocks = num_full
         if any(new):
-            self._emit_stored(request, hasher.hashes, first, new)
+            assert self._sink is not None
+            for event in self._events.registered(
+                request.token_ids, request.salt_digest, hasher.hashes, first, new
+            ):
+                self._sink(event)
 
     def _cache_approximate(self, state: _RequestState, first: int, num_full: int) -> None:
         """Register blocks ``first .. num_full - 1`` (approximate K/V) under approximate keys
@@ -439,32 +387,6 @@ class KVCacheManager:
         for offset, (key, data) in enumerate(zip(hashes, keyed, strict=True)):
             if not self.pool.cache(state.block_ids[first + offset], key, data):
                 break  # a collision: later approximate blocks stay private
-
-    def _emit_stored(
-        self, request: CacheRequest, hashes: list[bytes], first: int, new: list[bool]
-    ) -> None:
-        """One ``BlockStored`` per run of newly registered blocks ``first + i`` (``new[i]``),
-        chained to the block before the run; a salted prompt's block 0 carries the salt's
-        digest in its extra keys."""
-        assert self._sink is not None
-        bs, i = self.block_size, 0
-        for is_new, run in itertools.groupby(new):  # one pass over the runs
-            size = len(list(run))
-            i += size
-            if not is_new:
-                continue
-            start, stop = first + i - size, first + i
-            extra: list[object] = [None] * (stop - start)
-            if start == 0 and request.salt_digest is not None:
-                extra[0] = [SALT_DIGEST_KEY, request.salt_digest]
-            event = BlockStored(
-                block_hashes=[wire_hash(h) for h in hashes[start:stop]],
-                parent_block_hash=wire_hash(hashes[start - 1]) if start else None,
-                token_ids=request.token_ids[start * bs : stop * bs],
-                block_size=bs,
-                extra_keys=extra,
-            )
-            self._sink(event)
 
     def _emit_removed(self) -> None:
         removed = self.pool.removed

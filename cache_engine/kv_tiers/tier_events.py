@@ -10,7 +10,7 @@ check per change.
 
 The tiers hold exact blocks only, so each entry's hash input (parent ‖ tokens ‖ extra keys,
 a salted first block's salt digest last) gives the event's token ids, parent and salt
-(``KVCacheManager.stored_events`` decodes it).
+(``KVCacheManager.stored_events``, i.e. ``BlockEvents``, decodes it).
 """
 
 from __future__ import annotations
