@@ -320,7 +320,13 @@ async def answer_window(
     # Only a turn that takes its history from the batch must wait for the turn before it.
     sessions = [item.session if item.history is None else None for item in window]
     tails = [_history_key(item.history) for item in window]
-    order, ranks = plan_window(keys, heads, tails)
+    # A chunk's length in bytes stands in for its tokens (none are counted yet).
+    weights = {
+        k: len(c.data)
+        for r, ks in zip(deduped, keys, strict=True)
+        for k, c in zip(ks, r.chunks, strict=True)
+    }
+    order, ranks = plan_window(keys, heads, tails, weights)
     order = keep_turn_order(order, sessions)
     leaders = prefix_leaders(order, ranks, heads)
     del keys

@@ -17,8 +17,13 @@ def plan_window(
     chunk_keys: Sequence[Sequence[bytes]],
     heads: Sequence[Hashable],
     tails: Sequence[tuple[str, ...]] | None = None,
+    weights: Mapping[bytes, int] | None = None,
 ) -> tuple[list[int], list[dict[bytes, int]]]:
     """The order to run a window's items in, and each item's chunk order (key → rank).
+
+    A sharing is worth the shared chunk's ``weights[key]`` (its length: a long passage
+    shared by two items saves more prefill than a short one shared by three); without
+    ``weights`` every chunk is worth 1.
 
     Items group by ``heads[i]`` (what precedes the chunks: salt, system prompt), in order of
     first appearance. Within a group, a prefix tree is built greedily: at each node, a
@@ -35,6 +40,7 @@ def plan_window(
     Running the items depth-first, each runs right after the items it shares the longest
     chunk prefix with.
     """
+    weight: Mapping[bytes, int] = weights if weights is not None else _Unit()
     first: dict[bytes, int] = {}
     for keys in chunk_keys:
         for key in keys:
@@ -55,9 +61,9 @@ def plan_window(
         counts = Counter(key for i in members for key in sets[i] if key not in paths[i][:depth])
         path = paths[members[0]][:depth]
         if len(members) <= _LOOKAHEAD_MEMBERS and budget[0] > 0:
-            best = _best_by_tree(counts, members, sets, path, first, budget)
+            best = _best_by_tree(counts, members, sets, path, first, weight, budget)
         else:
-            best = _next_chunk(counts, members, sets, path, first)
+            best = _next_chunk(counts, members, sets, path, first, weight)
         if best is None:  # leaves: no chunk is shared below this node
             order.extend(sorted(members, key=lambda i: (
                 len(sets[i]) > len(paths[i]), tails[i] if tails else (), i)))  # fmt: skip
@@ -73,12 +79,20 @@ def plan_window(
 
 
 # Candidates scored per tree node (the most frequent); the score looks one level deeper.
-_CANDIDATES = 16
+_CANDIDATES = 32
 # The whole-tree look-ahead: nodes of at most this many items, a few candidates each, and
-# at most this many item visits per window (then one level only): planning stays ~1 s.
-_LOOKAHEAD_MEMBERS = 64
-_LOOKAHEAD_CANDIDATES = 8
-_LOOKAHEAD_BUDGET = 2_000_000
+# at most this many item visits per window (then one level only): planning a 1,024-item
+# window stays within tens of seconds (measured in docs/benchmarks.md).
+_LOOKAHEAD_MEMBERS = 512
+_LOOKAHEAD_CANDIDATES = 32
+_LOOKAHEAD_BUDGET = 5_000_000
+
+
+class _Unit(dict[bytes, int]):
+    """Every chunk weighs 1."""
+
+    def __missing__(self, key: bytes) -> int:
+        return 1
 
 
 def _best_by_tree(
@@ -87,10 +101,11 @@ def _best_by_tree(
     sets: Sequence[Mapping[bytes, None]],
     path: Sequence[bytes],
     first: Mapping[bytes, int],
+    weight: Mapping[bytes, int],
     budget: list[int],
 ) -> bytes | None:
-    """The candidate whose choice gives the node the largest tree: items sharing each chunk,
-    summed over the subtree it starts and over the node's other items (both built with
+    """The candidate whose choice gives the node the largest tree: weighted items sharing
+    each chunk, summed over the subtree it starts and over the node's other items (both built with
     :func:`_next_chunk`). One level of look-ahead picks a topic's first passage; this also
     sees how far the items that do not hold it still share."""
     shared = [k for k, n in counts.most_common(_LOOKAHEAD_CANDIDATES) if n > 1]
@@ -101,9 +116,9 @@ def _best_by_tree(
     def value(key: bytes) -> tuple[int, int]:
         inside = [i for i in members if key in sets[i]]
         outside = [i for i in members if key not in sets[i]]
-        shared_by = len(inside) - 1
-        shared_by += _tree_size(inside, sets, taken | {key}, first, budget)
-        shared_by += _tree_size(outside, sets, taken, first, budget)
+        shared_by = (len(inside) - 1) * weight[key]
+        shared_by += _tree_size(inside, sets, taken | {key}, first, weight, budget)
+        shared_by += _tree_size(outside, sets, taken, first, weight, budget)
         return shared_by, -first[key]
 
     return max(shared, key=value)
@@ -114,22 +129,23 @@ def _tree_size(
     sets: Sequence[Mapping[bytes, None]],
     taken: frozenset[bytes],
     first: Mapping[bytes, int],
+    weight: Mapping[bytes, int],
     budget: list[int],
 ) -> int:
-    """How many chunk-sharings (a node's items minus one, over its nodes) the cheap tree
-    over ``members`` has below ``taken``; spends ``budget``."""
+    """The weighted chunk-sharings (a node's items minus one, times its chunk's weight,
+    over its nodes) of the cheap tree over ``members`` below ``taken``; spends ``budget``."""
     total = 0
     stack = [(list(members), taken)]
     while stack:
         items, used = stack.pop()
         budget[0] -= len(items)
         counts = Counter(k for i in items for k in sets[i] if k not in used)
-        best = _next_chunk(counts, items, sets, list(used), first)
+        best = _next_chunk(counts, items, sets, list(used), first, weight)
         if best is None:
             continue
         inside = [i for i in items if best in sets[i]]
         outside = [i for i in items if best not in sets[i]]
-        total += len(inside) - 1
+        total += (len(inside) - 1) * weight[best]
         stack.append((inside, used | {best}))
         if outside:
             stack.append((outside, used))
@@ -142,25 +158,27 @@ def _next_chunk(
     sets: Sequence[Mapping[bytes, None]],
     path: Sequence[bytes],
     first: Mapping[bytes, int],
+    weight: Mapping[bytes, int],
 ) -> bytes | None:
     """The node's next chunk, or None when no chunk is held by two of its items.
 
     Counting alone picks a chunk that many unrelated items hold (a generic passage) over
     the passages of one topic, which hold together for several levels; so each candidate
-    scores the items sharing it plus the items sharing its best second chunk.
+    scores the items sharing it plus the items sharing its best second chunk (each
+    sharing times its chunk's weight).
     """
     taken = set(path)
     shared = [k for k, n in counts.most_common(_CANDIDATES) if n > 1]
-    if not shared:
-        return None
+    if len(shared) < 2:
+        return shared[0] if shared else None
 
     def score(key: bytes) -> tuple[int, int]:
         pairs = Counter(
             other for i in members if key in sets[i] for other in sets[i]
             if other != key and other not in taken
         )  # fmt: skip
-        deeper = max(pairs.values(), default=1)
-        return counts[key] - 1 + deeper - 1, -first[key]
+        deeper = max(((n - 1) * weight[other] for other, n in pairs.items()), default=0)
+        return (counts[key] - 1) * weight[key] + deeper, -first[key]
 
     return max(shared, key=score)
 

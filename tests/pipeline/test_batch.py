@@ -81,6 +81,18 @@ def test_a_generic_chunk_does_not_split_a_topic():
     assert all(ranks[i] == {} for i in order if i not in topic and k("g") not in keys[i])
 
 
+def test_a_long_shared_passage_outweighs_short_ones_shared_as_often():
+    # Items 0 and 1 share the long passage L; 0 and 2 share short s1, 1 and 3 short s2.
+    # Each is one sharing, but L saves the most prefill: with its weight it leads 0 and 1.
+    keys = [[k("s1"), k("L")], [k("s2"), k("L")], [k("s1"), k("x")], [k("s2"), k("y")]]
+    weights = {k("s1"): 40, k("s2"): 40, k("L"): 900, k("x"): 50, k("y"): 50}
+    order, ranks = plan_window(keys, [""] * 4, weights=weights)
+    assert ranks[0] == ranks[1] == {k("L"): 0}
+    assert abs(order.index(0) - order.index(1)) == 1
+    _, unweighted = plan_window(keys, [""] * 4)  # all alike: the first seen leads
+    assert unweighted[0] == {k("s1"): 0}
+
+
 def test_heads_never_mix_and_a_session_keeps_its_turns_in_order():
     keys = [[k("a")], [k("a")], [k("b")], [k("a")]]
     order, _ = plan_window(keys, ["s1", "s2", "s1", "s1"])
