@@ -326,7 +326,8 @@ async def answer_window(
         for r, ks in zip(deduped, keys, strict=True)
         for k, c in zip(ks, r.chunks, strict=True)
     }
-    order, ranks = plan_window(keys, heads, tails, weights)
+    # Off the loop: with the look-ahead a large window plans for seconds.
+    order, ranks = await asyncio.to_thread(plan_window, keys, heads, tails, weights)
     order = keep_turn_order(order, sessions)
     leaders = prefix_leaders(order, ranks, heads)
     del keys
