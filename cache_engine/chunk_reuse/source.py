@@ -13,7 +13,12 @@ sources. Pure Python. Safety, in the order of the protocol:
   exact and are cached and recorded like any;
 - **learn every chunk**: once the prompt has been computed, every chunk span is recorded in
   the index: exact before the first copied token, approximate (under the reuse settings)
-  after it. Chunks are taken from the request's own prefill, not computed again alone.
+  after it. Chunks are taken from the request's own prefill, not computed again alone;
+- **compute a chunk once**: an opted-in request that would compute a chunk an admitted
+  request is computing now (not yet recorded; exact, or approximate under its settings)
+  waits for it (``KVMatch.load_pending``) until that request has recorded its chunks or
+  left, then is planned again: requests admitted together would otherwise each compute it.
+  A request waits at most once per admission.
 
 A request is planned at its first admission only; a recompute after preemption is exact.
 A plan larger than one step's token budget (a deviation plan: its probe too) falls back to
@@ -22,8 +27,11 @@ the exact path (counted).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ragkv.cache_engine.block_hash import tokens_to_bytes
 from ragkv.cache_engine.chunk_reuse.config import BlendConfig
 from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
 from ragkv.cache_engine.chunk_reuse.planner import BlendPlan, plan_blend
@@ -33,6 +41,8 @@ if TYPE_CHECKING:
     from ragkv.cache_engine.kv_cache_manager import KVCacheManager
     from ragkv.cache_engine.outputs import EngineStats
     from ragkv.cache_engine.request import Request
+
+_ChunkKey = tuple[bytes | None, bytes]  # (salt digest, the chunk's tokens)
 
 
 class ChunkReuseSource:
@@ -44,6 +54,12 @@ class ChunkReuseSource:
         self.max_step_tokens = max_step_tokens  # a plan is computed in one step, whole
         self.num_fallbacks = 0  # opted-in requests run exactly: too big, or no room for it
         self._offered: set[str] = set()  # planned, not yet admitted
+        # Chunks admitted requests compute now, until recorded: (salt, tokens) -> (request
+        # id, the scope its entry will have: None exact), and each such request's keys.
+        self._computing: dict[_ChunkKey, tuple[str, bytes | None]] = {}
+        self._computes: dict[str, list[_ChunkKey]] = {}
+        self._awaits: dict[str, set[str]] = {}  # a waiting request -> the ones it waits for
+        self._waited: set[str] = set()  # waited since its admission began: never twice
 
     def match(self, request: Request, num_computed: int) -> KVMatch | None:
         self._offered.discard(request.request_id)  # an earlier attempt's plan is stale
@@ -71,6 +87,8 @@ class ChunkReuseSource:
             request.blend_tried = True
             self.num_fallbacks += 1
             plan = None
+        if self._wait_for_chunks(request, num_computed + num_shared, plan, scope):
+            return KVMatch(load_pending=True)
         if plan is None and not shared:
             return None
         self._offered.add(request.request_id)
@@ -96,7 +114,30 @@ class ChunkReuseSource:
         return len(plan.positions)
 
     def is_ready(self, request: Request) -> bool:
-        return True  # nothing loads: the K/V is in the pool
+        """True once every request it waits for has recorded its chunks or left."""
+        awaited = self._awaits.get(request.request_id)
+        return not awaited or not any(r in self._computes for r in awaited)
+
+    def _wait_for_chunks(
+        self, request: Request, start: int, plan: BlendPlan | None, scope: bytes
+    ) -> bool:
+        """Whether the request should wait for chunks it would compute from ``start`` (all
+        but those ``plan`` copies) that admitted requests are computing now, with K/V it
+        may reuse (exact, or approximate of its ``scope``)."""
+        request_id = request.request_id
+        self._awaits.pop(request_id, None)
+        if request_id in self._waited or not self._computing:
+            return False
+        awaited: set[str] = set()
+        for key, _ in _computed_chunks(request, start, plan):
+            owner = self._computing.get(key)
+            if owner is not None and owner[0] != request_id and owner[1] in (None, scope):
+                awaited.add(owner[0])
+        if not awaited:
+            return False
+        self._waited.add(request_id)
+        self._awaits[request_id] = awaited
+        return True
 
     def allocated(
         self,
@@ -116,6 +157,28 @@ class ChunkReuseSource:
             request.reused_approximate_prefix_tokens = match.num_tokens
         elif offered:  # the plan did not fit the pool; the exact path did
             self.num_fallbacks += 1
+        self._waited.discard(request.request_id)
+        if request.chunk_spans and not request.chunks_recorded:
+            self._mark_computing(request, num_pool_blocks * self.kv.block_size)
+
+    def _mark_computing(self, request: Request, start: int) -> None:
+        """Note the chunks the admitted request computes (from ``start``, or its plan's),
+        with the scope their entries will have, until it records them."""
+        plan = request.blend
+        if plan is not None:
+            start = plan.start
+        exact_until = request.exact_until
+        scope = None if request.reuse is None else reuse_scope(request.reuse)
+        keys = []
+        for key, end in _computed_chunks(request, start, plan):
+            if key not in self._computing:
+                approximate = exact_until is not None and end > exact_until
+                if approximate and scope is None:
+                    continue  # never recorded
+                self._computing[key] = (request.request_id, scope if approximate else None)
+                keys.append(key)
+        if keys:
+            self._computes[request.request_id] = keys
 
     def computed(self, request: Request) -> None:
         if (
@@ -124,9 +187,19 @@ class ChunkReuseSource:
             and request.num_computed_tokens >= request.num_prompt_tokens
         ):
             self._record_chunks(request)
+            self._forget_computing(request.request_id)
 
     def release(self, request: Request) -> None:
-        self._offered.discard(request.request_id)
+        request_id = request.request_id
+        self._offered.discard(request_id)
+        self._awaits.pop(request_id, None)
+        self._waited.discard(request_id)
+        self._forget_computing(request_id)
+
+    def _forget_computing(self, request_id: str) -> None:
+        for key in self._computes.pop(request_id, ()):
+            if self._computing.get(key, (None,))[0] == request_id:
+                del self._computing[key]
 
     def add_stats(self, stats: EngineStats) -> None:
         stats.blend_fallbacks = self.num_fallbacks
@@ -161,3 +234,19 @@ def reuse_scope(config: BlendConfig) -> bytes:
     """What approximate K/V depends on besides the tokens: the reuse settings that made it
     (requests reuse each other's approximate blocks only under the same settings)."""
     return f"blend:{config.strategy}:{config.k}".encode()
+
+
+def _computed_chunks(
+    request: Request, start: int, plan: BlendPlan | None
+) -> Iterator[tuple[_ChunkKey, int]]:
+    """``(key, span end)`` of each chunk the request computes from ``start``: every span
+    ending after it that ``plan`` does not copy (from)."""
+    copied = [] if plan is None else sorted(plan.dst_positions)
+    token_ids, salt = request.token_ids, request.salt_digest
+    for span_start, end in request.chunk_spans:
+        if end <= start:
+            continue
+        i = bisect_left(copied, span_start)
+        if i < len(copied) and copied[i] < end:
+            continue  # found elsewhere: copied, not computed
+        yield (salt, tokens_to_bytes(token_ids[span_start:end])), end

@@ -200,6 +200,32 @@ def test_chunks_a_blended_request_computes_are_learned_for_its_reuse_settings_on
     assert same_scope.usage.reused_nonprefix_tokens == A and same_scope.approximate
 
 
+def test_a_chunk_an_admitted_request_is_computing_is_waited_for_not_computed_twice(two_layers):
+    path, _ = two_layers
+    naive = BlendConfig("none")
+    # B sits after 5 other tokens here: no prefix of FIRST covers it, only the index can.
+    later = SYS + ids(8, 5) + CHUNK_B + ids(5, 7)
+    spans = [(SYSTEM + 5, SYSTEM + 5 + B)]
+    with engine(path) as eng:  # submitted together: admitted in the same step
+        first, second = eng.generate(
+            [FIRST, later], GREEDY, chunk_spans=[SPANS, spans], reuse=naive
+        )
+        assert_no_block_held(eng)
+        source = eng.scheduler.sources[-1]
+        assert not source._computing and not source._awaits and not source._waited
+    assert first.usage.reused_nonprefix_tokens == 0
+    assert second.usage.reused_nonprefix_tokens == B and second.approximate
+
+
+def test_an_exact_request_never_waits_for_a_chunk_being_computed(two_layers):
+    path, _ = two_layers
+    later = SYS + ids(8, 5) + CHUNK_B + ids(5, 7)
+    spans = [(SYSTEM + 5, SYSTEM + 5 + B)]
+    with engine(path) as eng:
+        first, second = eng.generate([FIRST, later], GREEDY, chunk_spans=[SPANS, spans])
+    assert second.usage.reused_nonprefix_tokens == 0 and not second.approximate
+
+
 def test_evicted_source_blocks_are_never_read(one_layer):
     path, model = one_layer
     with engine(path, kv_cache_tokens=8 * BLOCK) as eng:
