@@ -31,6 +31,9 @@ class DecodeBatch:
     tokens: int  # key slots read per row: the longest sequence (a prefix of the blocks)
     past_end: torch.Tensor | None  # flat slots of the gather past each sequence's length
     mask: torch.Tensor | None  # additive [batch, 1, 1, tokens]
+    # K, V gather buffers, allocated by the step's first layer and refilled by each: a plan
+    # serves one forward at a time.
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -39,8 +42,9 @@ class AttentionPlan:
 
     Building it (run detection, index tensors, causal masks) costs more than a layer's
     gathers, and a ``[q_len, kv_len]`` mask rebuilt per layer more than the SDPA it serves,
-    so a step builds one plan and hands it to all its layers. It describes the table it was
-    built from: a table edited afterwards needs a new plan.
+    so a step builds one plan and hands it to all its layers, one after another (its decode
+    gathers refill buffers it holds). It describes the table it was built from: a table
+    edited afterwards needs a new plan.
     """
 
     # Per sequence not in ``decodes``: (q start, q end, its keys, mask or None).
