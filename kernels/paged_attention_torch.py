@@ -105,10 +105,10 @@ def decode_gathered(
     _, _, num_kv_heads, head_dim = k_cache.shape
     num_heads, batch = q.shape[1], len(plan.rows)
     shape = (len(plan.blocks), *k_cache.shape[1:])
-    held = plan.scratch[0] if plan.scratch is not None else None
-    if held is None or held.shape != shape or held.dtype != k_cache.dtype:
-        plan.scratch = (k_cache.new_empty(shape), v_cache.new_empty(shape))
-    k_buf, v_buf = plan.scratch
+    scratch = plan.scratch
+    if scratch is None or scratch[0].shape != shape or scratch[0].dtype != k_cache.dtype:
+        scratch = plan.scratch = (k_cache.new_empty(shape), v_cache.new_empty(shape))
+    k_buf, v_buf = scratch
     k = torch.index_select(k_cache, 0, plan.blocks, out=k_buf).view(-1, num_kv_heads, head_dim)
     v = torch.index_select(v_cache, 0, plan.blocks, out=v_buf).view(-1, num_kv_heads, head_dim)
     if plan.past_end is not None:
