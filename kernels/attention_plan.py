@@ -10,7 +10,6 @@ reads them. The attention semantics (bottom-right causal, ``q_positions``) are d
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +18,8 @@ import torch
 from ragkv.errors import InvalidInputError
 
 IntSeq = torch.Tensor | Sequence[int]
-_MAX_RUNS = 8  # per prefill; more runs are gathered (see _split)
 
-Segment = tuple[slice | torch.Tensor, int]  # blocks (a range, or ids to gather), tokens used
+Segment = tuple[slice | torch.Tensor, int]  # blocks (a range, or ids to gather), tokens read
 
 
 @dataclass(slots=True)
@@ -30,8 +28,12 @@ class DecodeBatch:
 
     rows: torch.Tensor  # [batch] query rows of the decode sequences
     blocks: torch.Tensor  # [batch * max_blocks] block ids, padding -> the row's first block
-    past_end: torch.Tensor | None  # flat gathered token slots past each sequence's length
-    mask: torch.Tensor | None  # additive [batch, 1, 1, max_blocks * block_size]
+    tokens: int  # key slots read per row: the longest sequence (a prefix of the blocks)
+    past_end: torch.Tensor | None  # flat slots of the gather past each sequence's length
+    mask: torch.Tensor | None  # additive [batch, 1, 1, tokens]
+    # K, V gather buffers, allocated by the step's first layer and refilled by each: a plan
+    # serves one forward at a time.
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -40,13 +42,14 @@ class AttentionPlan:
 
     Building it (run detection, index tensors, causal masks) costs more than a layer's
     gathers, and a ``[q_len, kv_len]`` mask rebuilt per layer more than the SDPA it serves,
-    so a step builds one plan and hands it to all its layers. It describes the table it was
-    built from: a table edited afterwards needs a new plan.
+    so a step builds one plan and hands it to all its layers, one after another (its decode
+    gathers refill buffers it holds). It describes the table it was built from: a table
+    edited afterwards needs a new plan.
     """
 
-    # Per sequence not in ``decode``: (q start, q end, prefix, tail, mask of the tail or None).
-    seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]]
-    decode: DecodeBatch | None
+    # Per sequence not in ``decodes``: (q start, q end, its keys, mask or None).
+    seqs: list[tuple[int, int, Segment, torch.Tensor | None]]
+    decodes: list[DecodeBatch]
     q_positions: list[int] | None = None  # the explicit query positions it was built for
 
 
@@ -61,9 +64,13 @@ def plan_attention(
     """The torch path's plan for one step's metadata (arguments as :func:`paged_attention`'s;
     ``dtype`` is the query's).
 
-    With ``q_positions``, a sequence whose rows are exactly its last ``q_len`` positions in
-    order is planned as without them (same segments, same results); any other sequence gets
-    a position mask over its keys ``0 .. max(position)`` (see :func:`_plan_positioned`).
+    Decode sequences (one query row, at its last position) are batched into padded decode
+    gathers, each of sequences at least half as long as its longest (padding costs at most
+    as much as the keys); every other sequence reads its keys as one segment (a view of
+    consecutive blocks, else a gather) under one mask, so each costs a single SDPA call. With
+    ``q_positions``, a sequence whose rows are exactly its last ``q_len`` positions in order
+    is planned as without them (same segments, same results); any other sequence gets a
+    position mask over its keys ``0 .. max(position)``.
     """
     cu, lens = to_list(cu_seqlens_q), to_list(seq_lens)
     positions: list[int] | None = None
@@ -72,46 +79,38 @@ def plan_attention(
         positions = q_positions if isinstance(q_positions, list) else to_list(q_positions)
         positioned = _positioned_seqs(positions, cu, lens)
     device = block_table.device
-    n_blocks = [-(-length // block_size) for length in lens]
-    first_block, consecutive = _consecutive_runs(block_table, n_blocks)
-    gathered_decode = [
-        i
-        for i in range(len(lens))
-        if cu[i + 1] - cu[i] == 1 and not consecutive[i] and i not in positioned
+    decode_seqs = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and i not in positioned]
+    decodes = [
+        _plan_decode(block_table, cu, lens, batch, block_size, dtype)
+        for batch in _decode_batches(decode_seqs, lens)
     ]
-    decode = None
-    if len(gathered_decode) > 1:
-        decode = _plan_decode(block_table, cu, lens, n_blocks, gathered_decode, block_size, dtype)
-    batched = set(gathered_decode) if decode is not None else set()
+    first_block, run_len = _first_runs(block_table)
     masks: dict[tuple[int, int], torch.Tensor] = {}
-    seqs: list[tuple[int, int, list[Segment], Segment, torch.Tensor | None]] = []
-    prefix: list[Segment]
-    tail: Segment
-    mask: torch.Tensor | None
+    seqs: list[tuple[int, int, Segment, torch.Tensor | None]] = []
+    decoded = set(decode_seqs)
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
-        if i in batched or start == end:
+        if i in decoded or start == end:
             continue
+        q_len, kv_len, mask = end - start, seq_len, None
         if i in positioned:
             assert positions is not None  # only q_positions makes a sequence positioned
             rows = positions[start:end]
-            seqs.append((start, end, *_plan_positioned(block_table[i], rows, block_size, dtype)))
-            continue
-        q_len, prefix = end - start, []
-        if consecutive[i]:
-            tail = (slice(first_block[i], first_block[i] + n_blocks[i]), seq_len)
-        else:
-            prefix, tail = _split(
-                block_table[i, : n_blocks[i]], seq_len, seq_len - q_len, block_size
-            )
-        tail_len, mask = tail[1], None
-        if 1 < q_len < tail_len:
-            if (q_len, tail_len) not in masks:
-                visible = torch.ones(q_len, tail_len, dtype=torch.bool, device=device)
-                masks[q_len, tail_len] = _additive(visible.tril(tail_len - q_len), dtype)
-            mask = masks[q_len, tail_len]
-        seqs.append((start, end, prefix, tail, mask))
-    return AttentionPlan(seqs, decode, positions)
+            kv_len = max(rows) + 1  # keys past the last position are seen by no row
+            keys = torch.arange(kv_len, device=device)
+            query = torch.tensor(rows, device=device)
+            mask = _additive(keys[None, :] <= query[:, None], dtype)
+        elif q_len < kv_len:
+            if (q_len, kv_len) not in masks:
+                visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+                masks[q_len, kv_len] = _additive(visible.tril(kv_len - q_len), dtype)
+            mask = masks[q_len, kv_len]
+        n_blocks = -(-kv_len // block_size)
+        blocks: slice | torch.Tensor = slice(first_block[i], first_block[i] + n_blocks)
+        if run_len[i] < n_blocks:
+            blocks = block_table[i, :n_blocks].long()
+        seqs.append((start, end, (blocks, kv_len), mask))
+    return AttentionPlan(seqs, decodes, positions)
 
 
 def _positioned_seqs(positions: list[int], cu: list[int], lens: list[int]) -> set[int]:
@@ -140,95 +139,65 @@ def _positioned_seqs(positions: list[int], cu: list[int], lens: list[int]) -> se
     return positioned
 
 
-def _plan_positioned(
-    table_row: torch.Tensor, rows: list[int], block_size: int, dtype: torch.dtype
-) -> tuple[list[Segment], Segment, torch.Tensor]:
-    """Prefix, tail and position mask of a sequence whose queries sit at ``rows``.
-
-    Keys past the last position are seen by no row and are not read. Keys before the first
-    position are seen by every row: they form the unmasked prefix of runs, as in
-    :func:`_split`, and the tail starts at a run that holds key ``min(rows)``, which every
-    row sees, so no row of the masked tail is empty.
-    """
-    kv_len = max(rows) + 1
-    blocks = table_row[: -(-kv_len // block_size)]
-    prefix, tail = _split(blocks, kv_len, min(rows), block_size)
-    tail_start = kv_len - tail[1]
-    keys = torch.arange(tail_start, kv_len, device=table_row.device)
-    query = torch.tensor(rows, device=table_row.device)
-    return prefix, tail, _additive(keys[None, :] <= query[:, None], dtype)
-
-
-def _split(
-    blocks: torch.Tensor, kv_len: int, context: int, block_size: int
-) -> tuple[list[Segment], Segment]:
-    """Split a prefill's keys ``0 .. kv_len - 1`` into a prefix of consecutive block runs
-    read as views, and a tail from the first run that reaches key ``context``
-    (``seq_len - q_len`` for the last ``q_len`` positions).
-
-    Every query sees all keys before ``context`` and key ``context`` itself, so the prefix
-    needs no mask and no row of the tail is fully masked (its logsumexp stays finite). A
-    table of many short runs (more than ``_MAX_RUNS``) is gathered whole instead: one call
-    per run would cost more than the copy.
-    """
-    ids = blocks.tolist()
-    starts = [j for j in range(len(ids)) if j == 0 or ids[j] != ids[j - 1] + 1]
-    prefix: list[Segment] = []
-    for j, next_j in itertools.pairwise([*starts, len(ids)]):
-        if next_j * block_size > context or len(starts) > _MAX_RUNS:
-            tail = (
-                blocks[j:].long() if len(prefix) + 1 < len(starts) else slice(ids[j], ids[-1] + 1)
-            )
-            return prefix, (tail, kv_len - j * block_size)
-        prefix.append((slice(ids[j], ids[j] + next_j - j), (next_j - j) * block_size))
-    raise AssertionError("unreachable: the last run holds the last query's key")
-
-
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # SDPA turns a boolean mask into this 0 / -inf float mask on every call; build it once.
     zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return zeros.masked_fill_(~visible, float("-inf"))
 
 
+def _decode_batches(seqs: list[int], lens: list[int]) -> list[list[int]]:
+    """``seqs`` by decreasing length, cut where a sequence is not longer than half the
+    longest of its batch."""
+    batches: list[list[int]] = []
+    for i in sorted(seqs, key=lambda i: -lens[i]):
+        if batches and 2 * lens[i] > lens[batches[-1][0]]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def _plan_decode(
     block_table: torch.Tensor,
     cu: list[int],
     lens: list[int],
-    n_blocks: list[int],
     seqs: list[int],
     block_size: int,
     dtype: torch.dtype,
 ) -> DecodeBatch:
     device = block_table.device
-    max_blocks = max(n_blocks[i] for i in seqs)
+    seq_lens = [lens[i] for i in seqs]
+    n_blocks = [-(-length // block_size) for length in seq_lens]
+    max_blocks, tokens = max(n_blocks), max(seq_lens)
     idx = torch.tensor(seqs, device=device)
     table = block_table[idx, :max_blocks].long()
-    needed = torch.tensor([n_blocks[i] for i in seqs], device=device)
+    needed = torch.tensor(n_blocks, device=device)
     columns = torch.arange(max_blocks, device=device)
     table = torch.where(columns < needed[:, None], table, table[:, :1])
     past_end = mask = None
-    padded = max_blocks * block_size
-    if any(lens[i] != padded for i in seqs):
-        seq_lens = torch.tensor([lens[i] for i in seqs], device=device)
-        positions = torch.arange(padded, device=device)
-        visible = positions < seq_lens[:, None]
-        past_end = (~visible).flatten().nonzero().flatten()
-        mask = _additive(visible.view(len(seqs), 1, 1, padded), dtype)
+    if any(length != tokens for length in seq_lens):
+        positions = torch.arange(tokens, device=device)
+        visible = positions < torch.tensor(seq_lens, device=device)[:, None]
+        row, slot = (~visible).nonzero().unbind(1)
+        # Flat slots of the gather, [batch * max_blocks * block_size] before it is cut to tokens.
+        past_end = row * (max_blocks * block_size) + slot
+        mask = _additive(visible.view(len(seqs), 1, 1, tokens), dtype)
     rows = torch.tensor([cu[i] for i in seqs], device=device)
-    return DecodeBatch(rows, table.flatten(), past_end, mask)
+    return DecodeBatch(rows, table.flatten(), tokens, past_end, mask)
 
 
-def _consecutive_runs(
-    block_table: torch.Tensor, n_blocks: list[int]
-) -> tuple[list[int], list[bool]]:
-    """Per sequence: its first block id and whether its ``n_blocks`` ids are consecutive."""
-    first = block_table[:, 0].tolist() if block_table.shape[1] else [0] * len(n_blocks)
-    if block_table.shape[1] <= 1:
-        return first, [True] * len(n_blocks)
+def _first_runs(block_table: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Per sequence: its first block id and how many of its ids, from the first, are
+    consecutive (``first, first + 1, ...``)."""
+    num_seqs, width = block_table.shape
+    if width == 0:
+        return [0] * num_seqs, [0] * num_seqs
+    first = block_table[:, 0].tolist()
+    if width == 1:
+        return first, [1] * num_seqs
     breaks = block_table[:, 1:] - block_table[:, :-1] != 1
     breaks = torch.cat([breaks, torch.ones_like(breaks[:, :1])], dim=1)
-    run_len = (breaks.to(torch.uint8).argmax(dim=1) + 1).tolist()
-    return first, [run >= n for run, n in zip(run_len, n_blocks, strict=True)]
+    return first, (breaks.to(torch.uint8).argmax(dim=1) + 1).tolist()
 
 
 def to_list(x: IntSeq) -> list[int]:

@@ -187,3 +187,48 @@ def test_block_ids_past_int32_element_offsets_are_addressed(backend):
     cu, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)
     out = paged_attention(q, cache, cache, table, cu, lens, 0.25, backend=backend)
     torch.testing.assert_close(out.double(), reference(q, [(k, k)], cu, 0.25), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("permute", [True, False], ids=["permuted", "consecutive"])
+def test_decodes_of_unequal_lengths_share_padded_calls(permute):
+    # Lengths around block edges (block_size 8): the gather is padded to the longest, the
+    # slots past each shorter sequence are masked, and a NaN read anywhere shows.
+    specs = [(1, 1), (7, 1), (8, 1), (9, 1), (16, 1), (33, 1), (17, 1)]
+    q, k_cache, v_cache, table, cu, lens, _ = make_batch(specs, permute=permute)
+    plan = plan_attention(table, cu, lens, k_cache.shape[1], q.dtype)
+    # Batches of sequences longer than half their longest: 33 17 | 16 9 | 8 7 | 1.
+    assert [len(batch.rows) for batch in plan.decodes] == [2, 2, 2, 1] and not plan.seqs
+    check(specs, "torch", permute=permute, kv_heads=3, group=3)
+
+
+@pytest.mark.parametrize("specs", [[(29, 1)], [(21, 1)] * 3], ids=["one", "equal-lengths"])
+def test_decodes_over_consecutive_blocks_are_gathered_and_match_reference(specs):
+    check(specs, "torch", permute=False, kv_heads=3, group=3)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches_of_odd_shapes_match_a_dense_reference(seed):
+    # Several sequences per step, each a decode, a chunk over a cached prefix or a full
+    # prefill, over permuted blocks, reversed runs or consecutive ones; GQA, MQA and MHA.
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (), generator=rng))
+
+    specs = []
+    for _ in range(1 + draw(5)):
+        seq_len = 1 + draw(70)
+        q_len = (1, seq_len, 1 + draw(seq_len))[draw(3)]
+        specs.append((seq_len, q_len))
+    layout = [{"permute": True}, {"permute": False}, {"run": 1 + draw(4)}][draw(3)]
+    shape = {
+        "kv_heads": 1 + draw(3),
+        "group": (1, 2, 3)[draw(3)],
+        "block_size": (4, 8, 16)[draw(3)],
+    }
+    q, k_cache, v_cache, table, cu, lens, _ = make_batch(specs, seed=seed, **layout, **shape)
+    plan = plan_attention(table, cu, lens, k_cache.shape[1], q.dtype)
+    decodes = sum(q_len == 1 for _, q_len in specs)
+    assert len(plan.seqs) == len(specs) - decodes  # one SDPA call per other sequence
+    check(specs, "torch", seed=seed, **layout, **shape)
+
