@@ -33,7 +33,11 @@ over the exact one's (the same tokens forced through the exact path, in its own 
 salt; so the exact row is 1 by definition, and its KL, top-1 and F1 check that a second
 exact run agrees with the reference). Blended settings run in one salt with the warm-up,
 in an order where no setting's exactly cached blocks reach past where the next would copy
-(naive, deviation, first-k by ascending k). JSON: a list of rows.
+(naive, deviation by k then by ratio, then hybrid and first-k by ascending head).
+``--deviation-ratios`` adds deviation rows with a budget relative to each chunk
+(``BlendConfig("deviation", k=--ratio-floor, ratio=r)``), ``--hybrid-heads`` deviation rows
+that also recompute each chunk's first ``h`` tokens (``head=h``), one per ratio. JSON: a
+list of rows.
 
 Usage::
 
@@ -41,6 +45,8 @@ Usage::
     python benchmarks/blend_quality.py --quick     # CI size: 1 question, 1 order, k in {0, 16}
     python benchmarks/blend_quality.py --dataset ../shared/data/musique/musique_dev.json \
         --examples 20 --json musique.json
+    python benchmarks/blend_quality.py --dataset ../shared/data/musique/musique_dev.json \
+        --examples 20 --ks "" --deviation-ks "" --deviation-ratios 0.15,0.25 --hybrid-heads 16
 """
 
 from __future__ import annotations
