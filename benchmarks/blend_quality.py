@@ -33,7 +33,11 @@ over the exact one's (the same tokens forced through the exact path, in its own 
 salt; so the exact row is 1 by definition, and its KL, top-1 and F1 check that a second
 exact run agrees with the reference). Blended settings run in one salt with the warm-up,
 in an order where no setting's exactly cached blocks reach past where the next would copy
-(naive, deviation, first-k by ascending k). JSON: a list of rows.
+(naive, deviation by k then by ratio, then hybrid and first-k by ascending head).
+``--deviation-ratios`` adds deviation rows with a budget relative to each chunk
+(``BlendConfig("deviation", k=--ratio-floor, ratio=r)``), ``--hybrid-heads`` deviation rows
+that also recompute each chunk's first ``h`` tokens (``head=h``), one per ratio. JSON: a
+list of rows.
 
 Usage::
 
@@ -41,6 +45,8 @@ Usage::
     python benchmarks/blend_quality.py --quick     # CI size: 1 question, 1 order, k in {0, 16}
     python benchmarks/blend_quality.py --dataset ../shared/data/musique/musique_dev.json \
         --examples 20 --json musique.json
+    python benchmarks/blend_quality.py --dataset ../shared/data/musique/musique_dev.json \
+        --examples 20 --ks "" --deviation-ks "" --deviation-ratios 0.15,0.25 --hybrid-heads 16
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class Setting:
     name: str
     strategy: str
     k: int
+    ratio: float = 0.0  # a budget relative to each chunk (BlendConfig.ratio; k its floor)
+    head: int = 0  # deviation: each chunk's first tokens always recomputed (BlendConfig.head)
     prompts: int = 0
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
@@ -83,6 +91,9 @@ class Setting:
     ttft_s: list[float] = field(default_factory=list)
     agree_all: int = 0  # top-1 agreement near-ties included (dataset rows)
     f1: list[float] = field(default_factory=list)  # greedy answer vs exact (dataset rows)
+
+    def config(self) -> BlendConfig:
+        return BlendConfig(self.strategy, k=self.k, ratio=self.ratio, head=self.head)
 
     def summary(self, naive_kl: float | None) -> dict[str, Any]:
         counted = self.positions - self.skipped_near_ties
@@ -183,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         forced,
                         SamplingParams(max_tokens=1),
                         chunk_spans=_spans(plan),
-                        reuse=BlendConfig(setting.strategy, k=setting.k),
+                        reuse=setting.config(),
                         cache_salt=_salt(setting),
                         return_logits=True,
                     )
@@ -224,10 +235,21 @@ EXACT_ROW_SALT = "blend-quality/exact-row"  # the exact row's second exact run
 
 
 def dataset_settings(args: argparse.Namespace) -> list[Setting]:
-    """Exact, naive, deviation then first-k by ascending k (see the module docstring)."""
+    """Exact, naive, deviation (k, then ratio budgets), then the settings that recompute
+    each chunk's head (hybrid, first-k) by ascending head: each caches its first chunk's
+    recomputed head exactly, which must not lengthen a later setting's exact prefix."""
     settings = [Setting("exact", "exact", 0), Setting("naive", "none", 0)]
     settings += [Setting(f"deviation k={k}", "deviation", k) for k in sorted(args.deviation_ks)]
-    settings += [Setting(f"first-k k={k}", "first-k", k) for k in sorted(args.ks) if k > 0]
+    floor = args.ratio_floor
+    ratios = sorted(args.deviation_ratios)
+    settings += [Setting(f"deviation r={r:g}", "deviation", floor, ratio=r) for r in ratios]
+    headed = [
+        Setting(f"hybrid h={h} r={r:g}", "deviation", floor, ratio=r, head=h)
+        for h in args.hybrid_heads
+        for r in ratios
+    ]
+    headed += [Setting(f"first-k k={k}", "first-k", k) for k in args.ks if k > 0]
+    settings += sorted(headed, key=lambda s: s.head or s.k)  # stable: hybrid first on ties
     if args.recompute_all:  # last: it caches the whole prompt exactly
         settings.append(Setting("recompute-all", "first-k", 1 << 16))
     return settings
@@ -270,7 +292,7 @@ def run_dataset(args: argparse.Namespace) -> list[dict[str, Any]]:
                 options: dict[str, Any] = {
                     "chunk_spans": spans,
                     "cache_salt": EXACT_ROW_SALT if is_exact else DATASET_SALT,
-                    "reuse": None if is_exact else BlendConfig(setting.strategy, k=setting.k),
+                    "reuse": None if is_exact else setting.config(),
                 }
                 # forced first: the greedy run then reuses its blocks, never the reverse
                 # (the greedy run's answer blocks would hide answer positions' logits)
@@ -300,7 +322,7 @@ def dataset_row(setting: Setting, exact_ttft_s: float) -> dict[str, Any]:
     default = BlendConfig()
     return {
         "setting": setting.name,
-        "default": (setting.strategy, setting.k) == (default.strategy, default.k),
+        "default": setting.strategy != "exact" and setting.config() == default,
         "recompute_ratio": 1 - setting.reused_nonprefix_tokens / max(setting.found_chunk_tokens, 1),
         "kl": statistics.fmean(setting.kl) if setting.kl else 0.0,
         "top1": setting.agree / counted if counted else 1.0,
@@ -308,6 +330,8 @@ def dataset_row(setting: Setting, exact_ttft_s: float) -> dict[str, Any]:
         "ttft_ratio": sum(setting.ttft_s) / exact_ttft_s if exact_ttft_s else 0.0,
         "strategy": setting.strategy,
         "k": setting.k,
+        "ratio": setting.ratio,
+        "head": setting.head,
         "examples": setting.prompts,
         "p95_kl": _quantile(setting.kl, 0.95),
         "top1_all": setting.agree_all / setting.positions if setting.positions else 1.0,
@@ -318,12 +342,12 @@ def dataset_row(setting: Setting, exact_ttft_s: float) -> dict[str, Any]:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'setting':<16}{'default':>8}{'recompute':>10}{'mean KL':>9}{'top-1':>7}"
+        f"{'setting':<20}{'default':>8}{'recompute':>10}{'mean KL':>9}{'top-1':>7}"
         f"{'top-1 all':>10}{'answer F1':>10}{'TTFT':>7}"
     ]
     for r in rows:
         lines.append(
-            f"{r['setting']:<16}{'yes' if r['default'] else '':>8}{r['recompute_ratio']:>10.3f}"
+            f"{r['setting']:<20}{'yes' if r['default'] else '':>8}{r['recompute_ratio']:>10.3f}"
             f"{r['kl']:>9.4f}{r['top1']:>7.3f}{r['top1_all']:>10.3f}{r['answer_f1']:>10.3f}"
             f"{r['ttft_ratio']:>7.2f}"
         )
@@ -410,6 +434,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=20, help="--dataset: examples used")
     p.add_argument("--passages", type=int, default=5, help="--dataset: passages per prompt")
     p.add_argument("--deviation-ks", default="16,32", help="--dataset: deviation budgets k")
+    p.add_argument(
+        "--deviation-ratios",
+        default="",
+        help="--dataset: deviation budgets relative to each chunk (e.g. 0.15,0.25)",
+    )
+    p.add_argument(
+        "--hybrid-heads",
+        default="",
+        help="--dataset: deviation with each chunk's first H tokens recomputed, per ratio",
+    )
+    p.add_argument(
+        "--ratio-floor", type=int, default=BlendConfig().k, help="k of the ratio settings"
+    )
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)
@@ -421,6 +458,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ks = "8,16,32"
     args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
     args.deviation_ks = [int(k) for k in args.deviation_ks.split(",") if k.strip()]
+    args.deviation_ratios = [float(r) for r in args.deviation_ratios.split(",") if r.strip()]
+    args.hybrid_heads = [int(h) for h in args.hybrid_heads.split(",") if h.strip()]
+    if args.hybrid_heads and not args.deviation_ratios:
+        p.error("--hybrid-heads needs --deviation-ratios")
     if args.dataset and not 1 <= args.passages <= 10:
         p.error("--passages must be between 1 and 10")
     return args

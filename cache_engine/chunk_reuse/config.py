@@ -14,12 +14,20 @@ again to repair the cross-chunk attention they missed:
   compares those values with the copied ones, and recomputes the top tokens across all
   reused chunks. Layer 0's K/V depend on the token and its position alone, so copied
   layer-0 K/V are already right; layer 1 is the first that sees the new context.
+
+The budget is ``k`` tokens per reused chunk, or, with ``ratio``, a share of each chunk
+(``ceil(ratio * chunk tokens)``, at least ``k``): an absolute ``k`` that repairs 600-token
+passages would recompute short chunks whole. ``deviation`` can also keep a chunk's first
+``head`` tokens among its recomputed ones (where the chunk's first computation put its
+attention sink) and choose only the rest by deviation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ragkv.errors import ConfigError, InvalidInputError
 
@@ -35,10 +43,17 @@ class BlendConfig:
 
     ``k``: tokens recomputed per reused chunk: its first ``k`` (``first-k``; 0 is naive), or
     as many chosen by deviation across all reused chunks (``deviation``).
+    ``ratio``: in [0, 1]; when set, a reused chunk of ``n`` tokens gets ``ceil(ratio * n)``
+    recomputed tokens, never fewer than ``k`` (``k=0`` for the ratio alone); 0 (default):
+    ``k`` alone.
+    ``head`` (``deviation`` only): the first ``head`` tokens of each reused chunk are always
+    among its recomputed ones (within its budget); deviation chooses the rest.
     """
 
     strategy: str = "first-k"
     k: int = 16
+    ratio: float = 0.0
+    head: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -49,13 +64,42 @@ class BlendConfig:
             )
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= 1 << 16:
             raise ConfigError(f"k must be an int in [0, 65536], got {self.k!r}", param="k")
+        ratio = self.ratio
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, int | float)
+            or not math.isfinite(ratio)
+            or not 0 <= ratio <= 1
+        ):
+            raise ConfigError(f"ratio must be a number in [0, 1], got {ratio!r}", param="ratio")
+        object.__setattr__(self, "ratio", float(ratio))  # 1 and 1.0: one setting, one scope
+        if isinstance(self.head, bool) or not isinstance(self.head, int):
+            raise ConfigError(f"head must be an int, got {self.head!r}", param="head")
+        if not 0 <= self.head <= 1 << 16:
+            raise ConfigError(f"head must be in [0, 65536], got {self.head!r}", param="head")
+        if self.head and self.strategy != "deviation":
+            raise ConfigError(
+                f"head applies to strategy 'deviation' only (first-k recomputes the first k; "
+                f"none recomputes nothing), got strategy {self.strategy!r}",
+                param="head",
+            )
+        if self.ratio and self.strategy == "none":
+            raise ConfigError("ratio needs strategy 'first-k' or 'deviation'", param="ratio")
 
     def recomputed(self, chunk_len: int) -> int:
         """How many tokens of a reused chunk of ``chunk_len`` tokens are recomputed (its
         leading ones for ``first-k``; the budget they add for ``deviation``)."""
         if self.strategy == "none":
             return 0
-        return min(self.k, chunk_len)
+        budget = self.k
+        if self.ratio:  # exact arithmetic: 0.15 * 600 is 90, not 90.00000000000001 -> 91
+            budget = max(budget, math.ceil(Fraction(repr(self.ratio)) * chunk_len))
+        return min(budget, chunk_len)
+
+    def head_tokens(self, chunk_len: int) -> int:
+        """How many of a reused chunk's first tokens are recomputed whatever deviation
+        chooses (``deviation`` with ``head``; within the chunk's budget)."""
+        return min(self.head, self.recomputed(chunk_len))
 
 
 def check_chunk_spans(spans: object, num_tokens: int) -> tuple[tuple[int, int], ...]:

@@ -16,7 +16,9 @@ from the prefix's end on; its first ``k`` count from the chunk's start.
 ``deviation`` plans copy every found token and recompute as many as ``first-k`` would
 (``choose``); the first-k picks stand in until the model runner has measured which
 copied tokens deviate most and calls :meth:`BlendPlan.choose_recomputed` (the count is
-fixed when the plan is made, so the scheduler's token budget holds either way).
+fixed when the plan is made, so the scheduler's token budget holds either way). With a
+``head``, each chunk's first ``head`` tokens are computed outright (never copied) and
+deviation chooses only the rest of the budget.
 
 Pure Python over small integers; the copy itself runs in the model runner
 (:mod:`~ragkv.cache_engine.chunk_reuse.placement`).
@@ -105,7 +107,9 @@ def plan_blend(
         begin = max(start, num_computed)  # a chunk the prefix hit ends inside: its tail
         plan.reused_chunk_tokens += end - begin
         first_k = max(begin, start + config.recomputed(end - start))
-        copy_from = begin if config.strategy == "deviation" else first_k
+        copy_from = first_k
+        if config.strategy == "deviation":  # its head (if any) is computed, the rest copied
+            copy_from = max(begin, start + config.head_tokens(end - start))
         keep_to = min(end, last)  # the prompt's last token is always computed (logits)
         if copy_from >= keep_to:
             continue

@@ -233,7 +233,7 @@ class ChunkReuseSource:
 def reuse_scope(config: BlendConfig) -> bytes:
     """What approximate K/V depends on besides the tokens: the reuse settings that made it
     (requests reuse each other's approximate blocks only under the same settings)."""
-    return f"blend:{config.strategy}:{config.k}".encode()
+    return f"blend:{config.strategy}:{config.k}:ratio={config.ratio!r}:head={config.head}".encode()
 
 
 def _computed_chunks(

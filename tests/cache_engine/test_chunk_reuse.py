@@ -372,3 +372,54 @@ def test_an_approximate_chunk_entry_yields_to_exact_and_to_its_own_scope_only():
     gens[4] += 1  # exact entry's block handed out again: an approximate one may take over
     index.record(None, tokens, 0, [5], BLOCK, gens, b"scope-x")
     assert index.lookup(None, tokens, gens, b"scope-x").block_ids == (5,)
+
+
+def test_ratio_and_head_are_validated_and_part_of_the_reuse_scope():
+    from ragkv.cache_engine.chunk_reuse.source import reuse_scope
+
+    bad = [
+        ({"ratio": -0.1}, "ratio"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"ratio": float("nan")}, "ratio"),
+        ({"ratio": True}, "ratio"),
+        ({"ratio": "0.15"}, "ratio"),
+        ({"strategy": "none", "ratio": 0.15}, "ratio"),
+        ({"head": -1}, "head"),
+        ({"head": 2.0}, "head"),
+        ({"strategy": "first-k", "head": 4}, "head"),  # first-k's head is its k
+    ]
+    for kwargs, param in bad:
+        kwargs.setdefault("strategy", "deviation")
+        with pytest.raises(ConfigError) as err:
+            BlendConfig(**kwargs)
+        assert err.value.param == param, kwargs
+    assert BlendConfig("deviation", ratio=1) == BlendConfig("deviation", ratio=1.0)
+    scopes = {
+        reuse_scope(c)
+        for c in (
+            BlendConfig("deviation", k=16),
+            BlendConfig("deviation", k=16, ratio=0.15),
+            BlendConfig("deviation", k=16, ratio=0.25),
+            BlendConfig("deviation", k=16, ratio=0.15, head=4),
+            BlendConfig("first-k", k=16, ratio=0.15),
+        )
+    }
+    assert len(scopes) == 5
+
+
+def test_approximate_blocks_of_one_ratio_are_not_shared_with_another(two_layers):
+    path, _ = two_layers
+    quarter = BlendConfig("first-k", k=0, ratio=0.25)
+    with engine(path) as eng:
+        eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
+        eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=quarter)
+        other = eng.generate(
+            SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("first-k", k=0, ratio=0.5)
+        )
+        same = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=quarter)
+        assert_no_block_held(eng)
+    # quarter copies from 26 (B's first 6 recomputed): blocks 1-3 approximate in its scope;
+    # half copies from 32, so it cached block 1 exactly, and "same" shares only blocks 2-3
+    assert other.usage.reused_approximate_prefix_tokens == 0
+    assert same.usage.cached_tokens == 2 * BLOCK
+    assert same.usage.reused_approximate_prefix_tokens == 2 * BLOCK

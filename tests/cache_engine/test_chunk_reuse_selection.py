@@ -149,3 +149,63 @@ def test_a_deviation_probe_larger_than_a_step_falls_back_to_the_exact_path(model
         fallbacks = eng.stats().blend_fallbacks
     assert first_k.approximate  # 19 computed tokens fit the step
     assert not deviation.approximate and fallbacks == 1  # its probe of 59 tokens does not
+
+
+# -- a budget relative to the chunk (ratio) and a fixed head (issue 25) --------------------
+
+
+def test_a_ratio_budget_scales_with_each_chunk_and_k_is_its_floor():
+    # exact arithmetic: 0.15 * 600 is 90 (as a float product it rounds up to 91)
+    assert BlendConfig("deviation", k=0, ratio=0.15).recomputed(600) == 90
+    assert BlendConfig("deviation", k=0, ratio=0.15).recomputed(601) == 91
+    assert BlendConfig("deviation", ratio=0.15).recomputed(50) == 16  # k=16 is the floor
+    assert BlendConfig("first-k", k=0, ratio=0.25).recomputed(3) == 1
+    assert BlendConfig("first-k", k=8, ratio=1).recomputed(5) == 5  # never past the chunk
+    assert BlendConfig("deviation", k=4).recomputed(600) == 4  # no ratio: k alone
+    assert BlendConfig("none", k=16).recomputed(600) == 0
+
+
+def test_a_ratio_plan_recomputes_a_share_of_each_chunk_whatever_its_length():
+    location = ChunkLocation(start=100, num_tokens=40, block_ids=(6, 7, 8), generations=(0,) * 3)
+    tokens = list(range(80))
+    spans = [(10, 18), (18, 58)]  # 8 and 40 tokens
+
+    def plan(config):
+        return plan_blend(tokens, spans, 8, config, lambda _: location, 16)
+
+    first_k = plan(BlendConfig("first-k", k=0, ratio=0.25))  # 2 and 10 recomputed
+    recomputed = [*range(10, 12), *range(18, 28)]
+    assert first_k.positions[:2] == [8, 9] and first_k.positions[2:14] == recomputed
+    assert first_k.reused_tokens == 8 + 40 - 12
+    deviation = plan(BlendConfig("deviation", k=0, ratio=0.25))
+    assert deviation.choose == 12 and deviation.reused_tokens == first_k.reused_tokens
+    assert deviation.dst_positions == list(range(10, 58))  # every found token copied first
+
+
+def test_a_deviation_head_is_computed_and_only_the_rest_of_the_budget_is_chosen():
+    location = ChunkLocation(start=100, num_tokens=8, block_ids=(6, 7), generations=(0, 0))
+    tokens = list(range(30))
+
+    def plan(config):
+        return plan_blend(tokens, [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
+
+    hybrid = plan(BlendConfig("deviation", k=3, head=1))
+    assert hybrid.dst_positions == [*range(11, 18), *range(19, 26)]  # the heads never copied
+    assert hybrid.choose == 4 and hybrid.reused_tokens == 16 - 6
+    assert hybrid.exact_until == 11 and hybrid.start == 8
+    hybrid.choose_recomputed([15, 16, 24, 25])
+    assert hybrid.positions == [8, 9, 10, 15, 16, 18, 24, 25, 26, 27, 28, 29]
+    capped = plan(BlendConfig("deviation", k=2, head=5))  # a head beyond the budget: first-k
+    assert capped.choose == 0 and capped.positions == plan(BlendConfig("first-k", k=2)).positions
+
+
+def test_ratio_and_head_blends_run_and_recompute_their_budget(model):
+    layers, path, hf = model
+    ratio = blend(path, SECOND, SPANS, BlendConfig("deviation", k=0, ratio=0.25))  # 6 a chunk
+    hybrid = blend(path, SECOND, SPANS, BlendConfig("deviation", k=0, ratio=0.25, head=2))
+    for out in (ratio, hybrid):
+        assert out.approximate and out.usage.reused_nonprefix_tokens == A + B - 12
+    if layers == 2:  # the probe refreshed every layer: exact whatever was chosen
+        n = len(SECOND)
+        expected = reference_logits(hf, SECOND + hybrid.token_ids[:-1])
+        assert (hybrid.logits[-len(hybrid.token_ids) :] - expected[n - 1 :]).abs().max() <= ATOL
