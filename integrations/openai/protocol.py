@@ -41,7 +41,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 class RagContext:
     """The ``ragkv`` extension of a chat request: retrieved chunks, an optional system and
     the opt-in to position-independent chunk reuse (``"reuse": "blend"``, with an optional
-    ``"strategy"`` and ``"k"``; honoured only by a server started with ``--reuse blend``)."""
+    ``"strategy"``, ``"k"``, ``"ratio"`` and ``"head"``, as :class:`BlendConfig`; honoured
+    only by a server started with ``--reuse blend``)."""
 
     chunks: list[Chunk]
     system: str | None = None
@@ -194,7 +195,7 @@ def _content(content: Any, param: str) -> str:
     raise APIError(400, f"{param}.content must be a string or a list of text parts", param=param)
 
 
-RAG_KEYS = ("chunks", "system", "reuse", "strategy", "k")
+RAG_KEYS = ("chunks", "system", "reuse", "strategy", "k", "ratio", "head")
 
 
 def _rag(value: Any, limits: RequestLimits) -> RagContext:
@@ -254,10 +255,11 @@ MAX_REUSE_K = 1024  # tokens recomputed per reused chunk: more is a full recompu
 
 
 def _reuse(value: dict[str, Any]) -> BlendConfig | None:
-    """``ragkv.reuse`` / ``ragkv.strategy`` / ``ragkv.k``: the request's chunk reuse opt-in."""
+    """``ragkv.reuse`` / ``ragkv.strategy`` / ``ragkv.k`` / ``ragkv.ratio`` / ``ragkv.head``:
+    the request's chunk reuse opt-in (:class:`BlendConfig`'s fields)."""
     reuse = _get(value, "reuse", str, None, "ragkv.")
     if reuse is None:
-        for name in ("strategy", "k"):
+        for name in ("strategy", "k", "ratio", "head"):
             if value.get(name) is not None:
                 raise APIError(
                     400, f"ragkv.{name} needs ragkv.reuse='blend'", param=f"ragkv.{name}"
@@ -269,10 +271,17 @@ def _reuse(value: dict[str, Any]) -> BlendConfig | None:
     k = value.get("k", BlendConfig().k)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_REUSE_K:
         raise APIError(400, f"ragkv.k must be an int in [0, {MAX_REUSE_K}]", param="ragkv.k")
+    ratio = value.get("ratio")
+    ratio = 0.0 if ratio is None else ratio
+    head = value.get("head")
+    head = 0 if head is None else head
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head <= MAX_REUSE_K:
+        raise APIError(400, f"ragkv.head must be an int in [0, {MAX_REUSE_K}]", param="ragkv.head")
     try:
-        return BlendConfig(strategy, k=k)
+        return BlendConfig(strategy, k=k, ratio=ratio, head=head)
     except ConfigError as exc:
-        raise APIError(400, str(exc), param="ragkv.strategy") from exc
+        field = exc.param if exc.param in ("ratio", "head") else "strategy"
+        raise APIError(400, str(exc), param=f"ragkv.{field}") from exc
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:

@@ -57,10 +57,18 @@ def test_malformed_opt_ins_are_refused_with_the_field(blend_client):
         ({"reuse": "blend", "k": True}, "ragkv.k"),
         ({"reuse": "blend", "strategy": "attention"}, "ragkv.strategy"),
         ({"k": 4}, "ragkv.k"),
+        ({"reuse": "blend", "ratio": 1.5}, "ragkv.ratio"),
+        ({"reuse": "blend", "ratio": "0.1"}, "ragkv.ratio"),
+        ({"reuse": "blend", "strategy": "none", "ratio": 0.2}, "ragkv.ratio"),
+        ({"reuse": "blend", "head": 4}, "ragkv.head"),  # head is deviation's
+        ({"reuse": "blend", "strategy": "deviation", "head": 5000}, "ragkv.head"),
+        ({"ratio": 0.15}, "ragkv.ratio"),
     ]:
         response = chat(blend_client, CHUNKS[:2], "Q?", **ragkv)
         assert response.status_code == 400, (ragkv, response.text)
         assert response.json()["error"]["param"] == param
+    valid = {"reuse": "blend", "strategy": "deviation", "ratio": 0.15, "head": 2}
+    assert chat(blend_client, CHUNKS[:2], "Q?", **valid).status_code == 200
 
 
 def test_a_server_without_the_flag_refuses_the_opt_in(client):
