@@ -86,8 +86,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--blend-k",
         type=int,
-        help="tokens recomputed at the start of each reused chunk in the ragkv+blend lane "
-        "(default: BlendConfig's, 16; 0 is naive reuse)",
+        help="tokens recomputed per reused chunk in the ragkv+blend lane (default: "
+        "BlendConfig's, 16; 0 with first-k is naive reuse; with --blend-ratio, its floor)",
+    )
+    p.add_argument(
+        "--blend-strategy",
+        choices=("first-k", "deviation", "none"),
+        help="which tokens of a reused chunk the ragkv+blend lane recomputes (default: "
+        "BlendConfig's, first-k)",
+    )
+    p.add_argument(
+        "--blend-ratio",
+        type=float,
+        help="recompute this share of each reused chunk (ceil(ratio x tokens), at least "
+        "--blend-k) in the ragkv+blend lane (default 0: --blend-k alone)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument(
@@ -274,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
     config = _bench_config(
         args,
         lanes=bench_lanes(args),
-        blend_k=args.blend_k,
+        blend=_blend_config(args),
         restart=args.restart,
         **engine_settings(args, TIER_FLAGS),
     )
@@ -307,6 +319,21 @@ def _run_model_free(args: argparse.Namespace, workload: Any) -> int:
 
         plot(report, results, args.plot)
     return 0
+
+
+def _blend_config(args: argparse.Namespace) -> Any:
+    """The ragkv+blend lane's settings from ``--blend-*`` (None: ``BlendConfig()``); a bad
+    combination raises ``ConfigError`` naming the field."""
+    if args.blend_k is None and args.blend_strategy is None and args.blend_ratio is None:
+        return None
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
+
+    default = BlendConfig()
+    return BlendConfig(
+        args.blend_strategy or default.strategy,
+        k=default.k if args.blend_k is None else args.blend_k,
+        ratio=args.blend_ratio or 0.0,
+    )
 
 
 def _bench_config(args: argparse.Namespace, **fields: Any) -> Any:

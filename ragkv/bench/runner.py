@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragkv.bench.lanes import (
     BLEND_LANE,
@@ -26,6 +26,9 @@ from ragkv.bench.report import build_report, machine_info
 from ragkv.bench.workload import Workload
 from ragkv.cache_engine.config import DEFAULTS, SchedulePolicy
 from ragkv.errors import ConfigError, PromptTooLongError
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class BenchConfig:
     kv_store_bytes: int = DEFAULTS.kv_store_bytes
     kv_tier_write_policy: str = DEFAULTS.kv_tier_write_policy
     restart: bool = False
-    blend_k: int | None = None  # the ragkv+blend lane's first-k (None: BlendConfig's default)
+    blend: BlendConfig | None = None  # the ragkv+blend lane's settings (None: BlendConfig())
 
 
 def model_path(model: str | None) -> Path:
@@ -205,7 +208,6 @@ def run_bench(
     from transformers import AutoTokenizer
 
     from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
-    from ragkv.cache_engine.chunk_reuse import BlendConfig
 
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
@@ -293,7 +295,7 @@ def run_bench(
                         make_engine,
                         params,
                         concurrency=config.concurrency,
-                        blend=None if config.blend_k is None else BlendConfig(k=config.blend_k),
+                        blend=config.blend,
                     )
                 )
                 continue

@@ -71,3 +71,23 @@ def test_cli_reuse_blend_adds_the_lane(tiny_model, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert list(report["lanes"]) == ["ragkv", BLEND_LANE]
     assert "prefill_blend_vs_ragkv" in report["ratios"]
+
+
+def test_blend_flags_make_the_lanes_settings():
+    import argparse
+
+    from ragkv.bench import cli
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+
+    def settings(*flags: str):
+        return cli._blend_config(parser.parse_args(["bench", *flags]))
+
+    assert settings() is None  # BlendConfig()'s defaults
+    assert settings("--blend-k", "0") == BlendConfig(k=0)
+    deviation = settings("--blend-strategy", "deviation", "--blend-ratio", "0.15")
+    assert deviation == BlendConfig("deviation", k=16, ratio=0.15)
+    with pytest.raises(ConfigError):
+        settings("--blend-strategy", "none", "--blend-ratio", "0.2")
