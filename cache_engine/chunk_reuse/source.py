@@ -87,7 +87,10 @@ class ChunkReuseSource:
             request.blend_tried = True
             self.num_fallbacks += 1
             plan = None
-        if self._wait_for_chunks(request, num_computed + num_shared, plan, scope):
+        # A request that fell back (blend_tried) runs exactly: nothing to wait for.
+        if not request.blend_tried and self._wait_for_chunks(
+            request, num_computed + num_shared, plan, scope
+        ):
             return KVMatch(load_pending=True)
         if plan is None and not shared:
             return None
