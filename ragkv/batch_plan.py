@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 
 def plan_window(
@@ -40,7 +41,6 @@ def plan_window(
     Running the items depth-first, each runs right after the items it shares the longest
     chunk prefix with.
     """
-    weight: Mapping[bytes, int] = weights if weights is not None else _Unit()
     first: dict[bytes, int] = {}
     for keys in chunk_keys:
         for key in keys:
@@ -53,6 +53,7 @@ def plan_window(
     # Ordered (dicts as ordered sets): ties between equal counts must not depend on the
     # process's hash seed, or the same window would be planned differently each run.
     sets = [dict.fromkeys(keys) for keys in chunk_keys]
+    window = _Window(sets, first, weights if weights is not None else _Unit())
     # (items, depth): items that share a path of ``depth`` chunks, still to place.
     stack = [(members, 0) for members in reversed(groups.values())]
     budget = [_LOOKAHEAD_BUDGET]
@@ -61,9 +62,9 @@ def plan_window(
         counts = Counter(key for i in members for key in sets[i] if key not in paths[i][:depth])
         path = paths[members[0]][:depth]
         if len(members) <= _LOOKAHEAD_MEMBERS and budget[0] > 0:
-            best = _best_by_tree(counts, members, sets, path, first, weight, budget)
+            best = _best_by_tree(counts, members, path, window, budget)
         else:
-            best = _next_chunk(counts, members, sets, path, first, weight)
+            best = _next_chunk(counts, members, path, window)
         if best is None:  # leaves: no chunk is shared below this node
             order.extend(sorted(members, key=lambda i: (
                 len(sets[i]) > len(paths[i]), tails[i] if tails else (), i)))  # fmt: skip
@@ -95,13 +96,21 @@ class _Unit(dict[bytes, int]):
         return 1
 
 
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """What every tree node of one window reads: each item's chunk set (ordered), each
+    chunk's first appearance (breaks ties) and weight."""
+
+    sets: Sequence[Mapping[bytes, None]]
+    first: Mapping[bytes, int]
+    weight: Mapping[bytes, int]
+
+
 def _best_by_tree(
     counts: Counter[bytes],
     members: Sequence[int],
-    sets: Sequence[Mapping[bytes, None]],
     path: Sequence[bytes],
-    first: Mapping[bytes, int],
-    weight: Mapping[bytes, int],
+    window: _Window,
     budget: list[int],
 ) -> bytes | None:
     """The candidate whose choice gives the node the largest tree: weighted items sharing
@@ -112,40 +121,36 @@ def _best_by_tree(
     if not shared:
         return None
     taken = frozenset(path)
+    sets = window.sets
 
     def value(key: bytes) -> tuple[int, int]:
         inside = [i for i in members if key in sets[i]]
         outside = [i for i in members if key not in sets[i]]
-        shared_by = (len(inside) - 1) * weight[key]
-        shared_by += _tree_size(inside, sets, taken | {key}, first, weight, budget)
-        shared_by += _tree_size(outside, sets, taken, first, weight, budget)
-        return shared_by, -first[key]
+        shared_by = (len(inside) - 1) * window.weight[key]
+        shared_by += _tree_size(inside, taken | {key}, window, budget)
+        shared_by += _tree_size(outside, taken, window, budget)
+        return shared_by, -window.first[key]
 
     return max(shared, key=value)
 
 
 def _tree_size(
-    members: Sequence[int],
-    sets: Sequence[Mapping[bytes, None]],
-    taken: frozenset[bytes],
-    first: Mapping[bytes, int],
-    weight: Mapping[bytes, int],
-    budget: list[int],
+    members: Sequence[int], taken: frozenset[bytes], window: _Window, budget: list[int]
 ) -> int:
     """The weighted chunk-sharings (a node's items minus one, times its chunk's weight,
     over its nodes) of the cheap tree over ``members`` below ``taken``; spends ``budget``."""
-    total = 0
+    total, sets = 0, window.sets
     stack = [(list(members), taken)]
     while stack:
         items, used = stack.pop()
         budget[0] -= len(items)
         counts = Counter(k for i in items for k in sets[i] if k not in used)
-        best = _next_chunk(counts, items, sets, list(used), first, weight)
+        best = _next_chunk(counts, items, list(used), window)
         if best is None:
             continue
         inside = [i for i in items if best in sets[i]]
         outside = [i for i in items if best not in sets[i]]
-        total += (len(inside) - 1) * weight[best]
+        total += (len(inside) - 1) * window.weight[best]
         stack.append((inside, used | {best}))
         if outside:
             stack.append((outside, used))
@@ -153,12 +158,7 @@ def _tree_size(
 
 
 def _next_chunk(
-    counts: Counter[bytes],
-    members: Sequence[int],
-    sets: Sequence[Mapping[bytes, None]],
-    path: Sequence[bytes],
-    first: Mapping[bytes, int],
-    weight: Mapping[bytes, int],
+    counts: Counter[bytes], members: Sequence[int], path: Sequence[bytes], window: _Window
 ) -> bytes | None:
     """The node's next chunk, or None when no chunk is held by two of its items.
 
@@ -168,6 +168,7 @@ def _next_chunk(
     sharing times its chunk's weight).
     """
     taken = set(path)
+    sets, weight = window.sets, window.weight
     shared = [k for k, n in counts.most_common(_CANDIDATES) if n > 1]
     if len(shared) < 2:
         return shared[0] if shared else None
@@ -178,7 +179,7 @@ def _next_chunk(
             if other != key and other not in taken
         )  # fmt: skip
         deeper = max(((n - 1) * weight[other] for other, n in pairs.items()), default=0)
-        return (counts[key] - 1) * weight[key] + deeper, -first[key]
+        return (counts[key] - 1) * weight[key] + deeper, -window.first[key]
 
     return max(shared, key=score)
 
