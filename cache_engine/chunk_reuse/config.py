@@ -65,12 +65,8 @@ class BlendConfig:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= 1 << 16:
             raise ConfigError(f"k must be an int in [0, 65536], got {self.k!r}", param="k")
         ratio = self.ratio
-        if (
-            isinstance(ratio, bool)
-            or not isinstance(ratio, int | float)
-            or not math.isfinite(ratio)
-            or not 0 <= ratio <= 1
-        ):
+        # The range test also refuses NaN, infinities and ints too large for a float.
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
             raise ConfigError(f"ratio must be a number in [0, 1], got {ratio!r}", param="ratio")
         object.__setattr__(self, "ratio", float(ratio))  # 1 and 1.0: one setting, one scope
         if isinstance(self.head, bool) or not isinstance(self.head, int):

@@ -268,20 +268,26 @@ def _reuse(value: dict[str, Any]) -> BlendConfig | None:
     if reuse != "blend":
         raise APIError(400, "ragkv.reuse must be 'blend' (or absent)", param="ragkv.reuse")
     strategy = _get(value, "strategy", str, BlendConfig().strategy, "ragkv.")
-    k = value.get("k", BlendConfig().k)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_REUSE_K:
-        raise APIError(400, f"ragkv.k must be an int in [0, {MAX_REUSE_K}]", param="ragkv.k")
+    default = BlendConfig()
+    k, head = _token_count(value, "k", default.k), _token_count(value, "head", default.head)
     ratio = value.get("ratio")
-    ratio = 0.0 if ratio is None else ratio
-    head = value.get("head")
-    head = 0 if head is None else head
-    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head <= MAX_REUSE_K:
-        raise APIError(400, f"ragkv.head must be an int in [0, {MAX_REUSE_K}]", param="ragkv.head")
+    ratio = default.ratio if ratio is None else ratio
     try:
         return BlendConfig(strategy, k=k, ratio=ratio, head=head)
     except ConfigError as exc:
         field = exc.param if exc.param in ("ratio", "head") else "strategy"
         raise APIError(400, str(exc), param=f"ragkv.{field}") from exc
+
+
+def _token_count(value: dict[str, Any], name: str, default: int) -> int:
+    """``ragkv.<name>``: a count of tokens per reused chunk, at most ``MAX_REUSE_K``."""
+    count = value.get(name)
+    count = default if count is None else count
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_REUSE_K:
+        raise APIError(
+            400, f"ragkv.{name} must be an int in [0, {MAX_REUSE_K}]", param=f"ragkv.{name}"
+        )
+    return count
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:

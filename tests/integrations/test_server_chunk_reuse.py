@@ -58,6 +58,7 @@ def test_malformed_opt_ins_are_refused_with_the_field(blend_client):
         ({"reuse": "blend", "strategy": "attention"}, "ragkv.strategy"),
         ({"k": 4}, "ragkv.k"),
         ({"reuse": "blend", "ratio": 1.5}, "ragkv.ratio"),
+        ({"reuse": "blend", "ratio": 10**400}, "ragkv.ratio"),  # too large for a float
         ({"reuse": "blend", "ratio": "0.1"}, "ragkv.ratio"),
         ({"reuse": "blend", "strategy": "none", "ratio": 0.2}, "ragkv.ratio"),
         ({"reuse": "blend", "head": 4}, "ragkv.head"),  # head is deviation's

@@ -231,4 +231,3 @@ def test_random_batches_of_odd_shapes_match_a_dense_reference(seed):
     decodes = sum(q_len == 1 for _, q_len in specs)
     assert len(plan.seqs) == len(specs) - decodes  # one SDPA call per other sequence
     check(specs, "torch", seed=seed, **layout, **shape)
-
