@@ -53,6 +53,7 @@ class ChunkReuseSource:
         self.kv = kv
         self.max_step_tokens = max_step_tokens  # a plan is computed in one step, whole
         self.num_fallbacks = 0  # opted-in requests run exactly: too big, or no room for it
+        self.num_waits = 0  # opted-in requests that waited for a chunk in flight
         self._offered: set[str] = set()  # planned, not yet admitted
         # Chunks admitted requests compute now, until recorded: (salt, tokens) -> (request
         # id, the scope its entry will have: None exact), and each such request's keys.
@@ -140,6 +141,7 @@ class ChunkReuseSource:
             return False
         self._waited.add(request_id)
         self._awaits[request_id] = awaited
+        self.num_waits += 1
         return True
 
     def allocated(
@@ -206,6 +208,7 @@ class ChunkReuseSource:
 
     def add_stats(self, stats: EngineStats) -> None:
         stats.blend_fallbacks = self.num_fallbacks
+        stats.blend_waits = self.num_waits
 
     def _record_chunks(self, request: Request) -> None:
         """Record where the request's chunks' K/V lives (its prompt has been computed): exact

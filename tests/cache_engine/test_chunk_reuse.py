@@ -211,6 +211,7 @@ def test_a_chunk_an_admitted_request_is_computing_is_waited_for_not_computed_twi
             [FIRST, later], GREEDY, chunk_spans=[SPANS, spans], reuse=naive
         )
         assert_no_block_held(eng)
+        assert eng.stats().blend_waits == 1
         source = eng.scheduler.sources[-1]
         assert not source._computing and not source._awaits and not source._waited
     assert first.usage.reused_nonprefix_tokens == 0
@@ -221,8 +222,9 @@ def test_an_exact_request_never_waits_for_a_chunk_being_computed(two_layers):
     path, _ = two_layers
     later = SYS + ids(8, 5) + CHUNK_B + ids(5, 7)
     spans = [(SYSTEM + 5, SYSTEM + 5 + B)]
-    with engine(path) as eng:
+    with engine(path) as eng:  # FIRST's chunks are in flight when ``later`` is admitted
         first, second = eng.generate([FIRST, later], GREEDY, chunk_spans=[SPANS, spans])
+        assert eng.stats().blend_waits == 0
     assert second.usage.reused_nonprefix_tokens == 0 and not second.approximate
 
 
