@@ -61,6 +61,7 @@ class _RequestState:
     cacheable: bool = True  # False after a collision: later hashes chain off a shared key
     cache_limit: int | None = None  # tokens past this hold approximate K/V: not exact
     approximate_scope: bytes | None = None  # blocks past cache_limit are keyed so (None: never)
+    demanded: list[tuple[int, int]] = field(default_factory=list)  # (block, generation) queued
 
 
 class KVCacheManager:
@@ -195,6 +196,21 @@ class KVCacheManager:
             self.record_lookup(len(token_ids), len(block_ids))
         return block_ids, len(block_ids) * self.block_size
 
+    def note_demand(self, request: CacheRequest) -> None:
+        """A queued request will reuse its cached prefix: those blocks are evicted only when
+        no other free block is left, until it is admitted or leaves (:meth:`free`).
+
+        Without it a queued request's prefix ages from its last use, and requests scheduled
+        ahead of it evict the blocks it was routed (or assembled) to reuse. Takes no
+        references: a demanded block is still handed out when nothing else is free."""
+        block_ids, _ = self.get_computed_blocks(request, record=False)
+        state = self._state(request)
+        self._drop_demand(state)  # a request queued again (preempted) demands anew
+        if block_ids:
+            generation = self.pool.generation
+            state.demanded = [(b, generation[b]) for b in block_ids]
+            self.pool.add_demand(reversed(block_ids))  # as ``free`` orders them: tail first
+
     def reusable_hashes(self, request: CacheRequest) -> tuple[list[bytes], list[bytes]]:
         """``(hashes, inputs)`` of the request's blocks a prefix may reuse (Invariant 4 cap).
 
@@ -256,6 +272,8 @@ class KVCacheManager:
             self._emit_removed()
         state.block_ids.extend(new_block_ids)
         state.num_computed_tokens = num_total
+        if state.demanded:  # admitted: its prefix is referenced now
+            self._drop_demand(state)
         self._cache_full_blocks(request, state, min(num_total, len(request.token_ids)))
         return new_block_ids
 
@@ -263,6 +281,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its least shareable blocks go first."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
+            self._drop_demand(state)
             self.pool.free(reversed(state.block_ids))
 
     def discard(self, request: CacheRequest, num_written_tokens: int) -> None:
@@ -274,6 +293,7 @@ class KVCacheManager:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
+        self._drop_demand(state)
         unwritten = state.block_ids[num_written_tokens // self.block_size :]
         self.pool.free(reversed(state.block_ids))
         for block_id in unwritten:
@@ -340,6 +360,13 @@ class KVCacheManager:
                     request.block_hasher = hasher
             state = self._requests[request.request_id] = _RequestState(hasher)
         return state
+
+    def _drop_demand(self, state: _RequestState) -> None:
+        """Withdraw the request's demand on blocks that still hold what it demanded."""
+        if state.demanded:
+            generation = self.pool.generation
+            self.pool.drop_demand([b for b, g in state.demanded if generation[b] == g])
+            state.demanded = []
 
     def _cache_full_blocks(
         self, request: CacheRequest, state: _RequestState, num_known: int

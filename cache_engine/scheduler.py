@@ -103,6 +103,12 @@ class Scheduler:
         """Queue a request; one that could never fit the whole pool is refused now."""
         self.check_fits(request)
         request.status = RequestStatus.WAITING
+        if self.config.enable_prefix_caching:
+            try:
+                self.kv.note_demand(request)
+            except Exception:  # its own hashing: refused, leaving nothing behind
+                self.kv.free(request)
+                raise
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:

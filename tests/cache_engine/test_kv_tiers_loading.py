@@ -17,6 +17,7 @@ from ragkv.cache_engine import Engine, SamplingParams, offload
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+LONG = 120  # + 4 generated tokens: 8 blocks
 
 
 class MemoryTiers:
@@ -83,11 +84,13 @@ def tiered(path, **kwargs) -> Engine:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
-    """Greedy tokens and logits of prompts 0..3 from an engine without any cache."""
+    """Greedy tokens and logits of prompts 0..3 (100 tokens) and of prompt 2 at ``LONG``
+    tokens, from an engine without any cache."""
     with Engine.from_pretrained(
         llama_dir, device="cpu", kv_cache_tokens=2048, enable_prefix_caching=False
     ) as eng:
-        return [eng.generate(ids(i, 100), GREEDY, return_logits=True) for i in range(4)]
+        prompts = [ids(i, 100) for i in range(4)] + [ids(2, LONG)]
+        return [eng.generate(p, GREEDY, return_logits=True) for p in prompts]
 
 
 def assert_same(out, ref) -> None:
@@ -112,8 +115,9 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tier_exactly(
     assert tiers.closed
 
 
-def while_parked(eng, tiers, parked: int, other: int):
-    """Prompt ``parked`` waits at the tier's gate while prompt ``other`` runs start to end.
+def while_parked(eng, tiers, parked: int, other: int, other_len: int = 100):
+    """Prompt ``parked`` waits at the tier's gate while prompt ``other`` (``other_len``
+    tokens) runs start to end.
 
     Returns both outputs; asserts the parked one had not finished when the other had.
     """
@@ -129,7 +133,7 @@ def while_parked(eng, tiers, parked: int, other: int):
     thread.start()
     while not eng.scheduler.waiting_for_kv:  # waiting for K/V, its loads waiting at the gate
         threading.Event().wait(0.01)
-    out = eng.generate(ids(other, 100), GREEDY, return_logits=True)
+    out = eng.generate(ids(other, other_len), GREEDY, return_logits=True)
     assert not done.is_set()  # still parked while the other one ran start to end
     tiers.gate.set()
     thread.join(timeout=30)
@@ -202,19 +206,20 @@ def test_aborting_a_parked_request_frees_its_staging(llama_dir, tiers, reference
 
 
 def test_a_staged_run_gone_stale_while_parked_is_looked_up_again(llama_dir, tiers, reference):
-    # Pool of 10 blocks: after prompt 1, prompt 0 keeps its first blocks in the pool and the
-    # rest only in the tier. While prompt 0 waits for those loads, prompt 2 evicts its pool
-    # head: the staged run no longer continues the pool prefix. The request must look the
-    # tier up again (its head went there when it was written), not compute everything.
+    # Pool of 10 blocks: after prompt 1, prompt 0 keeps its first 3 blocks in the pool and
+    # the rest only in the tier. Its arrival makes those 3 the most recently used, so while
+    # it waits for the loads, a prompt of 8 blocks takes prompt 1's 7 and the last of them:
+    # the staged run no longer continues the pool prefix. The request must look the tier up
+    # again from there (that block went to the tier when it was written), not compute it.
     with tiered(llama_dir, kv_cache_tokens=10 * BLOCK) as eng:
         for i in (0, 1):
             eng.generate(ids(i, 100), GREEDY)
-        parked, other = while_parked(eng, tiers, 0, 2)
+        parked, other = while_parked(eng, tiers, 0, 2, other_len=LONG)
         stats = eng.stats()
     assert stats.tier_stale_loads == 1
-    assert parked.usage.cached_tokens_by_tier == {"pool": 0, "host": 96}
+    assert parked.usage.cached_tokens_by_tier == {"pool": 32, "host": 64}
     assert_same(parked, reference[0])
-    assert_same(other, reference[2])
+    assert_same(other, reference[4])
 
 
 def test_a_load_stuck_in_one_read_times_out_and_the_request_computes(llama_dir, tiers, reference):

@@ -31,6 +31,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = KVCacheManager(NUM_BLOCKS, BLOCK, extra_keys=[("model", b"toy")])
         self.running: dict[int, Req] = {}
+        self.queued: dict[int, Req] = {}  # arrived, demanding their cached prefix
         self.shadow: dict[int, tuple] = {}  # slot -> (salt, token prefix ending at that slot)
         self.next_id = 0
 
@@ -38,9 +39,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for pos, slot in zip(range(start, end), self.m.slot_mapping(req, start, end), strict=True):
             self.shadow[slot] = (req.cache_salt, tuple(req.token_ids[: pos + 1]))
 
-    def admit(self, tokens: list[int], salt: str | None) -> bool:
-        req = Req(self.next_id, list(tokens), salt)
-        self.next_id += 1
+    def admit(self, tokens: list[int], salt: str | None, req: Req | None = None) -> bool:
+        if req is None:
+            req = Req(self.next_id, list(tokens), salt)
+            self.next_id += 1
         computed, num_computed = self.m.get_computed_blocks(req)
         assert num_computed <= len(tokens) - 1
         before = self.snapshot()
@@ -81,6 +83,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.m.free(req)
 
     @rule(tokens=tokens_st, salt=salt_st)
+    def queue(self, tokens, salt):
+        req = Req(self.next_id, list(tokens), salt)
+        self.next_id += 1
+        self.m.note_demand(req)
+        self.queued[req.request_id] = req
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data(), leave=st.booleans())
+    def dequeue(self, data, leave):
+        req = self.queued.pop(data.draw(st.sampled_from(sorted(self.queued))))
+        if leave:  # cancelled while queued
+            self.m.free(req)
+        else:
+            self.admit(req.token_ids, req.cache_salt, req)
+
+    @rule(tokens=tokens_st, salt=salt_st)
     def allocate_until_full(self, tokens, salt):
         for i in range(NUM_BLOCKS + 1):
             if not self.admit([*tokens, i % 3], salt):
@@ -112,7 +130,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self):
-        ok = self.m.reset_prefix_cache()
+        ok = self.m.reset_prefix_cache()  # queued requests hold no blocks
         assert ok == (not self.running)
         if ok:
             assert not self.m.pool.cached
@@ -127,6 +145,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert len(set(free)) == len(free)
         assert all(refs[b] == 0 for b in free)  # never both free and referenced
         assert len(free) + sum(1 for r in refs if r) == NUM_BLOCKS  # nothing lost
+        # Demands: exactly the queued requests' on blocks still holding what they demanded.
+        demanded = [0] * NUM_BLOCKS
+        for req in self.queued.values():
+            for b, generation in self.m._requests[req.request_id].demanded:
+                demanded[b] += generation == pool.generation[b]
+        assert demanded == pool.demand
+        held = [b for b in free if pool.demand[b]]
+        assert free[len(free) - len(held) :] == held  # demanded free blocks are evicted last
         holders = [0] * NUM_BLOCKS
         for req in self.running.values():
             for b in self.m.block_table(req):

@@ -12,13 +12,21 @@ from ragkv.errors import CacheCapacityError, PromptTooLongError
 
 
 class PoisonedManager(KVCacheManager):
-    """Hashing raises for one request id, as a bad input would."""
+    """Hashing raises for one request id, as a bad input would: from its ``fail_from``-th
+    lookup on (the first is at arrival, :meth:`KVCacheManager.note_demand`)."""
 
     poisoned = "bad"
 
+    def __init__(self, *args, fail_from: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_from = fail_from
+        self.lookups = 0
+
     def get_computed_blocks(self, request, *, record=True):
         if request.request_id == self.poisoned:
-            raise RuntimeError("simulated hashing fault")
+            self.lookups += 1
+            if self.lookups >= self.fail_from:
+                raise RuntimeError("simulated hashing fault")
         return super().get_computed_blocks(request, record=record)
 
 
@@ -44,6 +52,18 @@ def test_a_request_failing_in_its_own_hashing_is_reported_and_the_rest_are_sched
     assert requests[1].status is RequestStatus.FINISHED
     assert requests[1] not in scheduler.waiting and requests[1] not in scheduler.running
     assert kv.num_free_blocks == 32 - 2 * 3  # only a and c hold blocks
+
+
+def test_a_request_failing_in_its_own_hashing_on_arrival_is_refused_and_not_queued():
+    kv = PoisonedManager(num_blocks=32, block_size=4, fail_from=1)
+    scheduler = Scheduler(kv)
+    bad = Request("bad", list(range(10)), SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="simulated hashing fault"):
+        scheduler.add(bad)
+    assert not scheduler.waiting and not scheduler.has_unfinished()
+    good = Request("a", list(range(10)), SamplingParams(max_tokens=2))
+    scheduler.add(good)
+    assert [c.request.request_id for c in scheduler.schedule().slices] == ["a"]
 
 
 class PoisonedAllocation(KVCacheManager):
