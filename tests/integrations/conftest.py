@@ -7,7 +7,7 @@ import functools
 import time
 
 import pytest
-from support import save_tiny_checkpoint
+from support import running_servers, save_tiny_checkpoint
 
 API_KEY = "test-key-0123456789"
 
@@ -36,20 +36,13 @@ def serve_engine(open_engine):
 def start_server(serve_engine):
     """``start_server(**create_app_kwargs) -> base_url``; every server stops at session end."""
     pytest.importorskip("fastapi")
-    from ragkv.integrations.openai.server.app import create_app
-    from ragkv.integrations.openai.server.thread import ServerThread
+    with running_servers(serve_engine) as start:
 
-    running = []
+        def start_url(engine=None, **kwargs) -> str:
+            kwargs.setdefault("api_key", API_KEY)
+            return start(engine, **kwargs)[0]
 
-    def start(engine=None, **kwargs) -> str:
-        kwargs.setdefault("api_key", API_KEY)
-        thread = ServerThread(create_app(engine or serve_engine, **kwargs))
-        running.append(thread)
-        return thread.start()
-
-    yield start
-    for thread in running:
-        thread.stop()
+        yield start_url
 
 
 @pytest.fixture(scope="session")
