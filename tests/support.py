@@ -169,6 +169,20 @@ def running_servers(default_engine: Any) -> Iterator[Callable[..., tuple[str, An
             thread.stop()
 
 
+def open_engine_fixture(scope: str, **settings: Any) -> Any:
+    """An ``engine`` fixture of ``scope`` over the integration tests' ``open_engine``
+    (``settings``: ``Engine.from_pretrained`` keywords); the engine closes when the scope
+    ends (``serve_engine = open_engine_fixture("session", kv_cache_tokens=...)``)."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def engine(open_engine):
+        with open_engine(**settings) as eng:
+            yield eng
+
+    return engine
+
+
 def ids(seed: int, n: int) -> list[int]:
     """``n`` random token ids of the tiny vocab, skipping the special ids 0-2 (same per seed)."""
     rng = random.Random(seed)

@@ -7,7 +7,7 @@ import functools
 import time
 
 import pytest
-from support import running_servers, save_tiny_checkpoint
+from support import open_engine_fixture, running_servers, save_tiny_checkpoint
 
 API_KEY = "test-key-0123456789"
 
@@ -26,10 +26,7 @@ def open_engine(serve_model_dir):
     return functools.partial(Engine.from_pretrained, serve_model_dir, device="cpu")
 
 
-@pytest.fixture(scope="session")
-def serve_engine(open_engine):
-    with open_engine(kv_cache_tokens=8192, max_model_len=1024) as engine:
-        yield engine
+serve_engine = open_engine_fixture("session", kv_cache_tokens=8192, max_model_len=1024)
 
 
 @pytest.fixture(scope="session")

@@ -21,17 +21,14 @@ pytest.importorskip("fastapi")
 schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from support import running_servers  # noqa: E402
+from support import open_engine_fixture, running_servers  # noqa: E402
 
 KEY = "fuzz-key-0123456789"
 REQUEST_TIMEOUT_S = 30  # per request, client side: a hang fails the run instead of stalling it
 
 
-@pytest.fixture(scope="module")
-def fuzz_engine(open_engine):
-    """A small context keeps every generated request short (max_tokens is bounded by it)."""
-    with open_engine(kv_cache_tokens=2048, max_model_len=96) as engine:
-        yield engine
+# A small context keeps every generated request short (max_tokens is bounded by it).
+fuzz_engine = open_engine_fixture("module", kv_cache_tokens=2048, max_model_len=96)
 
 
 @pytest.fixture(scope="module")
