@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BaseModel, Field
 
 from ragkv.assembler.template import chat_token_ids
 from ragkv.assembler.tokenization import text_tokenizer
@@ -75,6 +75,23 @@ def engine_for(adapter: Any) -> EngineLike:
     if adapter.engine is not None:
         return adapter.engine
     return shared_engine(adapter.model, device=adapter.device, dtype=adapter.dtype)
+
+
+class EngineFields(BaseModel):
+    """The fields that say which engine a framework adapter runs on (what :func:`engine_for`
+    reads): a loaded ``engine``, else the shared engine of ``model``/``device``/``dtype``.
+    The adapters list it before their framework's base, so its fields follow the
+    framework's own."""
+
+    # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (EngineField checks).
+    engine: EngineField = Field(default=None, exclude=True, repr=False)
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+
+    def get_engine(self) -> EngineLike:
+        """The engine this adapter runs on (loaded on first use when only ``model`` was given)."""
+        return engine_for(self)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

@@ -146,6 +146,43 @@ def tiny_engine_fixture(directory_name: str, seed: int, **settings: Any) -> Any:
     return engine
 
 
+@contextmanager
+def running_servers(default_engine: Any) -> Iterator[Callable[..., tuple[str, Any]]]:
+    """``start(engine=None, **create_app_kwargs) -> (base_url, app)``: a live ``ragkv serve``
+    app on a free loopback port, over ``default_engine`` unless another ``engine`` is given;
+    every server started stops on exit."""
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
+
+    running: list[Any] = []
+
+    def start(engine: Any = None, **kwargs: Any) -> tuple[str, Any]:
+        app = create_app(engine or default_engine, **kwargs)
+        thread = ServerThread(app)
+        running.append(thread)
+        return thread.start(), app
+
+    try:
+        yield start
+    finally:
+        for thread in running:
+            thread.stop()
+
+
+def open_engine_fixture(scope: str, **settings: Any) -> Any:
+    """An ``engine`` fixture of ``scope`` over the integration tests' ``open_engine``
+    (``settings``: ``Engine.from_pretrained`` keywords); the engine closes when the scope
+    ends (``serve_engine = open_engine_fixture("session", kv_cache_tokens=...)``)."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def engine(open_engine):
+        with open_engine(**settings) as eng:
+            yield eng
+
+    return engine
+
+
 def ids(seed: int, n: int) -> list[int]:
     """``n`` random token ids of the tiny vocab, skipping the special ids 0-2 (same per seed)."""
     rng = random.Random(seed)

@@ -18,22 +18,20 @@ from pydantic import ConfigDict, Field
 
 from ragkv.cache_engine import Output, SamplingParams, Usage
 from ragkv.cache_engine.default_model import DEFAULT_MODEL_NAME
-from ragkv.cache_engine.engine_like import EngineLike
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.errors import InvalidInputError
 from ragkv.integrations._engine import (
-    EngineField,
+    EngineFields,
     adapter_params,
     astream_until,
     chat_prompt_ids,
-    engine_for,
     stream_until,
 )
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
 
-class ChatRagKV(BaseChatModel):
+class ChatRagKV(EngineFields, BaseChatModel):
     """Chat model backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
 
     Pass a loaded ``engine`` to share it (or any ``EngineLike``: a ``RemoteEngine`` in front
@@ -50,11 +48,6 @@ class ChatRagKV(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    # Any EngineLike: an in-process Engine, a RemoteEngine, a replica router (EngineField checks).
-    engine: EngineField = Field(default=None, exclude=True, repr=False)
-    model: str | None = None
-    device: str = "auto"
-    dtype: str | None = None
     temperature: float | None = 0.0
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     top_p: float | None = None
@@ -69,10 +62,6 @@ class ChatRagKV(BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "ragkv"
-
-    def get_engine(self) -> EngineLike:
-        """The engine this model runs on (loaded on first use when only ``model`` was given)."""
-        return engine_for(self)
 
     @property
     def model_name(self) -> str:

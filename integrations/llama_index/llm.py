@@ -23,19 +23,18 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragkv.cache_engine import Output, SamplingParams
-from ragkv.cache_engine.engine_like import EngineLike, KnowsContextLength
+from ragkv.cache_engine.engine_like import KnowsContextLength
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS
 from ragkv.integrations._engine import (
-    EngineField,
+    EngineFields,
     adapter_params,
     astream_until,
     chat_prompt_ids,
-    engine_for,
     stream_until,
 )
 
 
-class RagKVLLM(CustomLLM):
+class RagKVLLM(EngineFields, CustomLLM):
     """LlamaIndex LLM backed by :class:`ragkv.cache_engine.Engine` (automatic prefix caching).
 
     Pass a loaded ``engine`` (any ``EngineLike``, a ``RemoteEngine`` included), or ``model``
@@ -47,10 +46,6 @@ class RagKVLLM(CustomLLM):
     ``completion_tokens``, ``total_tokens`` and ``cached_tokens`` in ``additional_kwargs``.
     """
 
-    engine: EngineField = Field(default=None, exclude=True)
-    model: str | None = None
-    device: str = "auto"
-    dtype: str | None = None
     temperature: float = 0.0
     max_tokens: int = DEFAULT_MAX_TOKENS
     top_p: float | None = None
@@ -63,10 +58,6 @@ class RagKVLLM(CustomLLM):
     @classmethod
     def class_name(cls) -> str:
         return "RagKVLLM"
-
-    def get_engine(self) -> EngineLike:
-        """The engine this LLM runs on (loaded on first use when only ``model`` was given)."""
-        return engine_for(self)
 
     @property
     def metadata(self) -> LLMMetadata:

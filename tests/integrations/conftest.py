@@ -7,7 +7,7 @@ import functools
 import time
 
 import pytest
-from support import save_tiny_checkpoint
+from support import open_engine_fixture, running_servers, save_tiny_checkpoint
 
 API_KEY = "test-key-0123456789"
 
@@ -26,30 +26,20 @@ def open_engine(serve_model_dir):
     return functools.partial(Engine.from_pretrained, serve_model_dir, device="cpu")
 
 
-@pytest.fixture(scope="session")
-def serve_engine(open_engine):
-    with open_engine(kv_cache_tokens=8192, max_model_len=1024) as engine:
-        yield engine
+serve_engine = open_engine_fixture("session", kv_cache_tokens=8192, max_model_len=1024)
 
 
 @pytest.fixture(scope="session")
 def start_server(serve_engine):
     """``start_server(**create_app_kwargs) -> base_url``; every server stops at session end."""
     pytest.importorskip("fastapi")
-    from ragkv.integrations.openai.server.app import create_app
-    from ragkv.integrations.openai.server.thread import ServerThread
+    with running_servers(serve_engine) as start:
 
-    running = []
+        def start_url(engine=None, **kwargs) -> str:
+            kwargs.setdefault("api_key", API_KEY)
+            return start(engine, **kwargs)[0]
 
-    def start(engine=None, **kwargs) -> str:
-        kwargs.setdefault("api_key", API_KEY)
-        thread = ServerThread(create_app(engine or serve_engine, **kwargs))
-        running.append(thread)
-        return thread.start()
-
-    yield start
-    for thread in running:
-        thread.stop()
+        yield start_url
 
 
 @pytest.fixture(scope="session")

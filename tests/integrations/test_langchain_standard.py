@@ -33,7 +33,9 @@ PASSAGES = [
 ]
 
 
-class TestChatRagKVUnit(ChatModelUnitTests):
+class ChatRagKVUnderTest:
+    """What both chat model suites are told about ChatRagKV."""
+
     @property
     def chat_model_class(self) -> type[ChatRagKV]:
         return ChatRagKV
@@ -43,20 +45,16 @@ class TestChatRagKVUnit(ChatModelUnitTests):
         return False  # one engine serves one model; `model=` per call cannot switch weights
 
 
-@pytest.mark.slow
-class TestChatRagKVIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatRagKV]:
-        return ChatRagKV
+class TestChatRagKVUnit(ChatRagKVUnderTest, ChatModelUnitTests):
+    pass
 
+
+@pytest.mark.slow
+class TestChatRagKVIntegration(ChatRagKVUnderTest, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         # model=None: the embedded default model, loaded once per process and shared.
         return {"max_tokens": MAX_TOKENS}
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False  # one engine serves one model; `model=` per call cannot switch weights
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:

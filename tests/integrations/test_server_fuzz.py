@@ -21,26 +21,21 @@ pytest.importorskip("fastapi")
 schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from support import open_engine_fixture, running_servers  # noqa: E402
 
 KEY = "fuzz-key-0123456789"
 REQUEST_TIMEOUT_S = 30  # per request, client side: a hang fails the run instead of stalling it
 
 
-@pytest.fixture(scope="module")
-def fuzz_engine(open_engine):
-    """A small context keeps every generated request short (max_tokens is bounded by it)."""
-    with open_engine(kv_cache_tokens=2048, max_model_len=96) as engine:
-        yield engine
+# A small context keeps every generated request short (max_tokens is bounded by it).
+fuzz_engine = open_engine_fixture("module", kv_cache_tokens=2048, max_model_len=96)
 
 
 @pytest.fixture(scope="module")
 def fuzzed(fuzz_engine):
-    from ragkv.integrations.openai.server.app import create_app
-    from ragkv.integrations.openai.server.thread import ServerThread
-
-    app = create_app(fuzz_engine, api_key=KEY, max_body_bytes=256 << 10, request_timeout_s=10)
-    with ServerThread(app) as url:
-        yield url, app
+    """``(base_url, app)`` of a server over the fuzz engine (the app for its OpenAPI schema)."""
+    with running_servers(fuzz_engine) as start:
+        yield start(api_key=KEY, max_body_bytes=256 << 10, request_timeout_s=10)
 
 
 def run_fuzz(url: str, app, examples: int) -> Counter:

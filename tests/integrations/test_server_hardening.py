@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from support import ids, sse_payloads
+from support import ids, running_servers, sse_payloads
 
 from ragkv.errors import ConfigError, InvalidInputError  # noqa: E402
 from ragkv.integrations.openai.limits import RequestLimits  # noqa: E402
@@ -27,20 +27,8 @@ KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789": "bob"}
 @pytest.fixture
 def serve(serve_engine):
     """``serve(**create_app_kwargs) -> (base_url, app)``; servers stop when the test ends."""
-    from ragkv.integrations.openai.server.app import create_app
-    from ragkv.integrations.openai.server.thread import ServerThread
-
-    running = []
-
-    def start(engine=None, **kwargs):
-        app = create_app(engine or serve_engine, **kwargs)
-        thread = ServerThread(app)
-        running.append(thread)
-        return thread.start(), app
-
-    yield start
-    for thread in running:
-        thread.stop()
+    with running_servers(serve_engine) as start:
+        yield start
 
 
 def as_tenant(key: str) -> dict[str, str]:

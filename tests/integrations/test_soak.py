@@ -6,7 +6,7 @@ no cross-tenant cache hit, and the KV pool is all free at the end."""
 from __future__ import annotations
 
 import pytest
-from support import benchmark_script
+from support import benchmark_script, open_engine_fixture
 
 pytest.importorskip("fastapi")
 
@@ -17,10 +17,7 @@ def soak():
         yield module
 
 
-@pytest.fixture
-def soak_engine(open_engine):
-    with open_engine(kv_cache_tokens=16384, max_model_len=1024) as engine:
-        yield engine
+soak_engine = open_engine_fixture("function", kv_cache_tokens=16384, max_model_len=1024)
 
 
 def test_a_short_fault_soak_loses_nothing_and_leaks_nothing(soak, soak_engine):
