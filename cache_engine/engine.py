@@ -70,11 +70,12 @@ class Engine(EngineCalls):
             algo=config.hash_algo,
             extra_keys=[("model", self.runner.identity)],
         )
-        # Where exactly computed chunks' K/V lives, for requests that opt into chunk reuse.
-        self.chunk_index = ChunkIndex(self.runner.identity, algo=config.hash_algo)
+        self.chunk_index = ChunkIndex(
+            self.runner.identity, algo=config.hash_algo, pool=self.kv.pool
+        )
         tiers = self._open_tiers(config)
-        # K/V from outside the pool's prefix cache, asked in this order (kv_source.py):
-        # the tiers continue the exact prefix, chunk reuse plans the rest.
+        # K/V from outside the pool's prefix cache, asked in this order (kv_source.py): the
+        # tiers continue the exact prefix, chunk reuse plans the rest from the chunk index.
         sources: list[KVSource] = [] if tiers is None else [TierSource(tiers, self.kv)]
         sources.append(ChunkReuseSource(self.chunk_index, self.kv, config.max_num_batched_tokens))
         self.scheduler = Scheduler(self.kv, config, self.max_model_len, sources)

@@ -13,6 +13,11 @@ carries the reuse settings that made it (its *scope*) and is found only by looku
 same scope; it never replaces a live exact entry (one of another scope, which its
 requests could not find, it does). Only opted-in requests look anything up,
 so no exact request ever reads what this index points at.
+
+Given the engine's ``pool``, the index *demands* the blocks of every entry it holds
+(:meth:`~ragkv.cache_engine.block_pool.BlockPool.add_demand`): the pool evicts other free
+blocks first (a question's, a history's), so a recorded chunk, reusable at any position,
+outlives blocks only an exact prefix could reuse. An entry dropped withdraws its demand.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ragkv.cache_engine.block_hash import HashFn, resolve_algo, tokens_to_bytes
+
+if TYPE_CHECKING:
+    from ragkv.cache_engine.block_pool import BlockPool
 
 _KEY_LABEL = b"ragkv/chunk_index/v1\0"
 DEFAULT_MAX_ENTRIES = 4096
@@ -74,12 +83,14 @@ class ChunkIndex:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         algo: str | HashFn = "xxh3_128",
+        pool: BlockPool | None = None,
     ) -> None:
         self._prefix = _KEY_LABEL + len(identity).to_bytes(4, "little") + identity
         self._digest = resolve_algo(algo)
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._pool = pool
         self._num_tokens = 0
         self.num_hits = 0
         self.num_stale = 0  # lookups whose blocks had been reused: dropped, not read
@@ -121,6 +132,8 @@ class ChunkIndex:
         self._drop(key)
         self._entries[key] = _Entry(salt_digest, tokens, location, scope)
         self._num_tokens += len(token_ids)
+        if self._pool is not None:  # tail blocks first, as the pool frees a request's
+            self._pool.add_demand(reversed(block_ids))
         while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
@@ -154,8 +167,8 @@ class ChunkIndex:
         return sum(entry.scope is not None for entry in self._entries.values())
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._num_tokens = 0
+        for key in list(self._entries):
+            self._drop(key)
 
     def _key(self, salt_digest: bytes | None, tokens: bytes) -> bytes:
         salt = b"\0" if salt_digest is None else b"\1" + salt_digest
@@ -164,4 +177,14 @@ class ChunkIndex:
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self._num_tokens -= entry.location.num_tokens
+            location = entry.location
+            self._num_tokens -= location.num_tokens
+            if self._pool is not None:  # blocks handed out since lost their demand then
+                generation = self._pool.generation
+                self._pool.drop_demand(
+                    [
+                        b
+                        for b, g in zip(location.block_ids, location.generations, strict=True)
+                        if generation[b] == g
+                    ]
+                )

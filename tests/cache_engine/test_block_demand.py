@@ -115,3 +115,34 @@ def test_a_queued_request_that_leaves_withdraws_its_demand():
     assert not any(kv.pool.demand)
     scheduler.finish(blocker, "abort")
     assert kv.num_free_blocks == 8
+
+
+def test_recorded_chunks_outlive_blocks_only_an_exact_prefix_could_reuse():
+    from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
+
+    pool = registered_pool(6, cached=[0, 1, 2, 3])
+    index = ChunkIndex(pool=pool, max_entries=2)
+    index.record(None, [5] * 8, 0, [0, 1], 4, pool.generation)  # a chunk over blocks 0-1
+    assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    assert pool.allocate(4) == [2, 3, 4, 5]
+    assert index.lookup(None, [5] * 8, pool.generation).block_ids == (0, 1)
+    # Dropped from the index (its bound), the entry withdraws its demand.
+    index.record(None, [6] * 4, 0, [2], 4, pool.generation)
+    index.record(None, [7] * 4, 0, [3], 4, pool.generation)
+    assert index.lookup(None, [5] * 8, pool.generation) is None
+    assert pool.demand[:2] == [0, 0]
+
+
+def test_an_entry_whose_blocks_moved_on_withdraws_only_what_it_still_demands():
+    from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
+
+    pool = registered_pool(4, cached=[0, 1])
+    index = ChunkIndex(pool=pool)
+    index.record(None, [5] * 8, 0, [0, 1], 4, pool.generation)
+    pool.add_demand([1])  # a queued request's demand on block 1 as well
+    pool.forget(0)  # block 0's K/V is gone: its demands with it
+    assert index.lookup(None, [5] * 8, pool.generation) is None  # stale: dropped
+    assert pool.demand == [0, 1, 0, 0]  # the queued request's demand stays
+    index.record(None, [6] * 4, 0, [1], 4, pool.generation)
+    index.clear()
+    assert pool.demand == [0, 1, 0, 0]
