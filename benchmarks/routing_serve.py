@@ -243,8 +243,9 @@ def serve_command(
 ) -> list[str]:
     """The ``ragkv serve`` command line of one replica."""
     c = settings.config
-    ragkv = Path(sys.executable).with_name("ragkv")
-    cmd = [str(ragkv), "serve", "--port", str(port), "--no-access-log"]
+    script = Path(sys.executable).with_name("ragkv")  # .venv/bin/ragkv next to this python
+    ragkv = [str(script)] if script.exists() else [sys.executable, "-m", "ragkv.cli"]
+    cmd = [*ragkv, "serve", "--port", str(port), "--no-access-log"]
     if c.model is not None:
         cmd += ["--model", str(c.model)]
     cmd += [

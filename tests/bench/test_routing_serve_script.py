@@ -139,3 +139,21 @@ def test_a_failing_lane_still_stops_its_servers(serve_script, tiny_model, tiny_b
     with pytest.raises(RemoteEngineError, match="401"):  # the servers refuse the key
         serve_script.served_lanes(workload, config, start, replicas=3, api_key="wrong-key")
     assert start.started == start.stopped == 1  # the lane failed before it ran: stopped anyway
+
+
+def test_the_server_command_is_one_ragkv_serve_accepts(serve_script, tiny_bench, tmp_path):
+    from ragkv.cli import build_parser
+
+    config = tiny_bench(concurrency=8, block_size=16)
+    settings = serve_script.ServeSettings(config, api_key="k", log_dir=tmp_path)
+    events = ("tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002")
+    cmd = serve_script.serve_command(settings, 8123, 4672, events)
+    args = build_parser().parse_args(cmd[cmd.index("serve") :])
+    assert (args.command, args.port, args.model) == ("serve", 8123, config.model)
+    assert (args.kv_cache_tokens, args.block_size, args.max_num_seqs) == (4672, 16, 8)
+    assert (args.dtype, args.torch_threads, args.access_log) == ("float32", 1, False)
+    assert (args.kv_events_endpoint, args.kv_events_replay_endpoint) == events
+    no_events = serve_script.serve_command(settings, 8123, 4672, None)
+    assert (
+        build_parser().parse_args(no_events[no_events.index("serve") :]).kv_events_endpoint is None
+    )
