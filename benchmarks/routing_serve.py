@@ -161,7 +161,11 @@ def served_lanes(
             balance_threshold=balance_threshold,
             index_blocks=[s.kv_cache_tokens // config.block_size for s in servers],
         )
-        model_name[0] = router.model_name
+        try:
+            model_name[0] = router.model_name  # the first request to the servers
+        except BaseException:
+            router.close()  # its event feeds and clients; `running` stops the servers
+            raise
         return RouterLane(router, [ServedReplica(s, api_key) for s in servers])
 
     # Each lane stops its servers when it closes; `running` stops any left on the way out
@@ -171,7 +175,6 @@ def served_lanes(
     machine = machine_info(
         {
             "model": model_name[0],
-            "servers": "ragkv serve, one process each, on loopback",
             "device": config.device,
             "dtype": resolve_dtype(config.dtype, config.device),
             "kv_cache_tokens": whole,
@@ -426,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             balance_threshold=args.balance_threshold,
             api_key=settings.api_key,
         )
+    report["machine"].update(
+        servers="ragkv serve processes on loopback", torch_threads_per_server=args.torch_threads
+    )
     print(format_replica_table(report))
     print("\n".join(router_lines(report)))
     if args.json:
