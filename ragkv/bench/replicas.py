@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,7 +58,9 @@ AT_MOST = ("imbalance", "events_imbalance", "events_prediction_error")
 
 
 class RouterLane:
-    """A lane's engine: the router (the EngineLike the pipeline uses) and its engines."""
+    """A lane's engine: the router (the EngineLike the pipeline uses) and its engines:
+    anything with ``stats()`` (a dataclass of counters), ``kv_cache_tokens`` and ``close()``
+    (in-process engines here; servers in ``benchmarks/routing_serve.py``)."""
 
     def __init__(self, router: Any, engines: Sequence[Any]) -> None:
         self.router = router
@@ -91,6 +93,8 @@ class RouterLane:
         return SimpleNamespace(**total, router=self.router.stats())
 
     def close(self) -> None:
+        """Close the router (its KV event feeds and clients), then the engines."""
+        self.router.close()
         for engine in self.engines:
             engine.close()
 
@@ -120,29 +124,14 @@ def run_replica_bench(
     balance_threshold: int = 4,
 ) -> tuple[dict[str, Any], list[LaneResult]]:
     """The reference lane and one lane per policy; returns (report, results)."""
-    from transformers import AutoTokenizer
-
-    from ragkv.cache_engine import Engine, EngineConfig, SamplingParams
+    from ragkv.cache_engine import Engine, EngineConfig
     from ragkv.integrations.routing import ReplicaRouter
 
     names = routing_lanes(policies, replicas)
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
     bs = config.block_size
-    profile = profile_workload(
-        workload, AutoTokenizer.from_pretrained(path), bs, config.max_tokens, config.order
-    )
-    whole = config.kv_cache_tokens or profile.kv_tokens(bs)
-    per_replica = whole // replicas // bs * bs
-    floor = -(-profile.largest // bs) * bs + bs
-    if per_replica < floor:
-        logger.warning(
-            "1/%d of the pool (%d tokens) cannot hold the largest request; using %d per replica",
-            replicas,
-            per_replica,
-            floor,
-        )
-        per_replica = floor
+    whole, per_replica = pool_sizes(workload, config, replicas)
     base = EngineConfig(
         model=path,
         device=config.device,
@@ -171,20 +160,7 @@ def run_replica_bench(
         )
         return RouterLane(router, engines)
 
-    pipeline_spec = lane_specs(["ragkv"], config.order)[0]
-    params = SamplingParams(max_tokens=config.max_tokens)
-    results = [
-        run_lane(
-            dataclasses.replace(pipeline_spec, name=name),
-            workload,
-            make_engine,
-            params,
-            concurrency=config.concurrency,
-            progress=config.progress,
-            keep_answers=config.keep_answers,
-        )
-        for name in names
-    ]
+    results = run_router_lanes(names, workload, config, make_engine)
     machine = machine_info(
         {
             "model": model_name[0],
@@ -200,16 +176,71 @@ def run_replica_bench(
             "order": config.order,
         }
     )
+    return replica_report(results, workload, machine, replicas), results
+
+
+def run_router_lanes(
+    names: Sequence[str],
+    workload: Workload,
+    config: BenchConfig,
+    make_engine: Callable[[LaneSpec], RouterLane],
+) -> list[LaneResult]:
+    """One lane per name, in order: the ``ragkv`` lane's pipeline (dedup + assembler) over
+    ``make_engine(spec)``, the workload replayed at ``config.concurrency``."""
+    from ragkv.cache_engine import SamplingParams
+
+    pipeline_spec = lane_specs(["ragkv"], config.order)[0]
+    params = SamplingParams(max_tokens=config.max_tokens)
+    return [
+        run_lane(
+            dataclasses.replace(pipeline_spec, name=name),
+            workload,
+            make_engine,
+            params,
+            concurrency=config.concurrency,
+            progress=config.progress,
+            keep_answers=config.keep_answers,
+        )
+        for name in names
+    ]
+
+
+def pool_sizes(workload: Workload, config: BenchConfig, replicas: int) -> tuple[int, int]:
+    """KV tokens of the whole pool (``config.kv_cache_tokens``, else sized to the workload)
+    and of each of ``replicas`` replicas: 1/N of it in whole blocks, but never less than the
+    largest request plus a block."""
+    from transformers import AutoTokenizer
+
+    bs = config.block_size
+    tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
+    profile = profile_workload(workload, tokenizer, bs, config.max_tokens, config.order)
+    whole = config.kv_cache_tokens or profile.kv_tokens(bs)
+    per_replica = whole // replicas // bs * bs
+    floor = -(-profile.largest // bs) * bs + bs
+    if per_replica < floor:
+        logger.warning(
+            "1/%d of the pool (%d tokens) cannot hold the largest request; using %d per replica",
+            replicas,
+            per_replica,
+            floor,
+        )
+        per_replica = floor
+    return whole, per_replica
+
+
+def replica_report(
+    results: Sequence[LaneResult], workload: Workload, machine: dict[str, Any], replicas: int
+) -> dict[str, Any]:
+    """The replica lanes' JSON document; determinism is strict in fp32 or without batching."""
     lanes = {r.spec.name: replica_summary(r) for r in results}
-    strict = dtype in ("float32", "fp32") or config.concurrency == 1
-    report = {
+    strict = machine["dtype"] in ("float32", "fp32") or machine["concurrency"] == 1
+    return {
         "lanes": lanes,
         "workload": workload.params,
         "machine": machine,
         "determinism": determinism(results, strict=strict),
         "ratios": routing_ratios(lanes, replicas),
     }
-    return report, results
 
 
 def replica_summary(result: LaneResult) -> dict[str, Any]:
