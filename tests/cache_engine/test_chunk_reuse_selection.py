@@ -195,7 +195,9 @@ def test_a_ratio_budget_scales_with_each_chunk_and_k_is_its_floor():
     assert BlendConfig("deviation", ratio=0.15).recomputed(50) == 16  # k=16 is the floor
     assert BlendConfig("first-k", k=0, ratio=0.25).recomputed(3) == 1
     assert BlendConfig("first-k", k=8, ratio=1).recomputed(5) == 5  # never past the chunk
-    assert BlendConfig("deviation", k=4).recomputed(600) == 4  # no ratio: k alone
+    assert BlendConfig("deviation", k=4, ratio=0).recomputed(600) == 4  # ratio 0: k alone
+    assert BlendConfig("deviation", k=4).recomputed(600) == 90  # unset: deviation's 0.15
+    assert BlendConfig("first-k", k=4).recomputed(600) == 4  # unset: first-k's 0, as before
     assert BlendConfig("none", k=16).recomputed(600) == 0
 
 
