@@ -52,6 +52,7 @@ STAT_NAMES = (
     "preemptions",
     "evictions",
     "blend_fallbacks",
+    "blend_probe_fallbacks",
     "tier_hit_tokens",
     "tier_loaded_blocks",
 )

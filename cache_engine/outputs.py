@@ -114,6 +114,7 @@ class EngineStats:
     prefill_tokens_reused_nonprefix: int = 0  # opt-in chunk reuse (approximate)
     prefill_tokens_reused_approximate_prefix: int = 0  # the same, shared as a prefix
     blend_fallbacks: int = 0  # opted-in requests run exactly (too big for one step)
+    blend_probe_fallbacks: int = 0  # deviation requests run as first-k (probe too big)
     blend_waits: int = 0  # opted-in requests that waited for a chunk being computed
     decode_tokens: int = 0
     preemptions: int = 0

@@ -114,7 +114,8 @@ class Pipeline:
     ``reuse="blend"`` opts every request into position-independent chunk reuse (an
     in-process :class:`~ragkv.cache_engine.Engine` only): the plan's chunk spans go to the
     engine, and a retrieved chunk whose K/V was computed in an earlier prompt, at another
-    position, is reused with ``blend``'s strategy (default ``BlendConfig()``: first-k). Such
+    position, is reused with ``blend``'s strategy (default ``BlendConfig()``: deviation, ``k=16``,
+    ``ratio=0.15``; ``BlendConfig("first-k")`` for the former default). Such
     answers are approximate and say so (``answer.output.approximate``,
     ``usage.reused_nonprefix_tokens``); ``None`` (default) keeps every answer exact.
     """

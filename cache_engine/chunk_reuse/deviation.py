@@ -35,9 +35,8 @@ def choose_by_deviation(
     if not plan.choose:
         return
     layer = min(DEVIATION_LAYER, len(kv_caches) - 1)
-    copied = set(plan.dst_positions)
     if layer == 0 or plan.choose >= len(plan.dst_positions):  # nothing to choose between
-        plan.choose_recomputed([p for p in plan.positions if p in copied])
+        plan.keep_first_k()
         return
     values = kv_caches[layer][1].flatten(0, 1)  # [slots, kv_heads, head_dim], a view
     slots = torch.tensor(

@@ -18,7 +18,9 @@ from the prefix's end on; its first ``k`` count from the chunk's start.
 copied tokens deviate most and calls :meth:`BlendPlan.choose_recomputed` (the count is
 fixed when the plan is made, so the scheduler's token budget holds either way). With a
 ``head``, each chunk's first ``head`` tokens are computed outright (never copied) and
-deviation chooses only the rest of the budget.
+deviation chooses only the rest of the budget. A plan whose probe cannot run keeps its
+stand-ins (:meth:`BlendPlan.keep_first_k`): head and stand-ins are the first ``budget``
+tokens of each chunk, so it becomes the ``first-k`` plan of the same budget.
 
 Pure Python over small integers; the copy itself runs in the model runner
 (:mod:`~ragkv.cache_engine.chunk_reuse.placement`).
@@ -47,6 +49,7 @@ class BlendPlan:
     # deviation: this many copied tokens are still to be chosen for recomputing; until then
     # ``positions`` holds first-k stand-ins, which are also among ``dst_positions``
     choose: int = 0
+    probe_fallback: bool = False  # deviation run as first-k: its probe did not fit a step
 
     @property
     def exact_until(self) -> int | None:
@@ -83,6 +86,13 @@ class BlendPlan:
         self.dst_positions = [self.dst_positions[i] for i in kept]
         self.deltas = [self.deltas[i] for i in kept]
         self.choose = 0
+
+    def keep_first_k(self) -> None:
+        """Recompute the first-k stand-ins themselves: the plan becomes the ``first-k`` plan
+        of the same per-chunk budget (a deviation plan whose probe cannot run, or has nothing
+        to choose between)."""
+        copied = set(self.dst_positions)
+        self.choose_recomputed([p for p in self.positions if p in copied])
 
 
 def plan_blend(

@@ -21,8 +21,18 @@ sources. Pure Python. Safety, in the order of the protocol:
   A request waits at most once per admission.
 
 A request is planned at its first admission only; a recompute after preemption is exact.
-A plan larger than one step's token budget (a deviation plan: its probe too) falls back to
-the exact path (counted).
+A plan is computed in one step. A ``deviation`` plan whose probe (every token from the
+plan's start) does not fit one step's token budget runs as the ``first-k`` plan of the same
+per-chunk budget (counted: ``blend_probe_fallbacks``); a plan whose computed tokens do not
+fit falls back to the exact path (counted: ``blend_fallbacks``).
+
+A deviation request run as first-k keeps the deviation settings' scope (its approximate
+blocks and chunk entries are keyed by the settings *asked*, not by the selection a step
+could afford): what those settings do on a long prompt is first-k, so requests asking the
+same settings may share its K/V, and requests that ask ``first-k`` never see K/V made under
+``deviation`` settings, nor the reverse. Keying it by first-k would mix scopes within one
+request (an approximate prefix shared under the deviation scope, then blocks under another)
+and let a deviation request's K/V leak into explicit first-k requests' results.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ class ChunkReuseSource:
         self.kv = kv
         self.max_step_tokens = max_step_tokens  # a plan is computed in one step, whole
         self.num_fallbacks = 0  # opted-in requests run exactly: too big, or no room for it
+        self.num_probe_fallbacks = 0  # deviation requests run as first-k: probe too big
         self.num_waits = 0  # opted-in requests that waited for a chunk in flight
         self._offered: set[str] = set()  # planned, not yet admitted
         # Chunks admitted requests compute now, until recorded: (salt, tokens) -> (request
@@ -84,10 +95,13 @@ class ChunkReuseSource:
             lookup,
             kv.block_size,
         )
-        if plan is not None and self._step_tokens(request, plan) > self.max_step_tokens:
+        if plan is not None and len(plan.positions) > self.max_step_tokens:
             request.blend_tried = True
             self.num_fallbacks += 1
             plan = None
+        elif plan is not None and self._probe_tokens(request, plan) > self.max_step_tokens:
+            plan.keep_first_k()  # the same budget, without the probe (see the docstring)
+            plan.probe_fallback = True
         # A request that fell back (blend_tried) runs exactly: nothing to wait for.
         if not request.blend_tried and self._wait_for_chunks(
             request, num_computed + num_shared, plan, scope
@@ -109,13 +123,11 @@ class ChunkReuseSource:
         )
 
     @staticmethod
-    def _step_tokens(request: Request, plan: BlendPlan) -> int:
-        """Tokens the plan's step runs through the model: the computed ones, and with
-        ``deviation`` its probe over every token from the plan's start (two layers, but
-        attending over the whole sequence: bounded like any step)."""
-        if plan.choose:
-            return max(len(plan.positions), request.num_tokens - plan.start)
-        return len(plan.positions)
+    def _probe_tokens(request: Request, plan: BlendPlan) -> int:
+        """Tokens a ``deviation`` plan's probe runs through the model: every token from the
+        plan's start (two layers, but attending over the whole sequence: bounded like any
+        step); 0 when the plan has nothing to choose."""
+        return request.num_tokens - plan.start if plan.choose else 0
 
     def is_ready(self, request: Request) -> bool:
         """True once every request it waits for has recorded its chunks or left."""
@@ -159,6 +171,7 @@ class ChunkReuseSource:
             if plan is not None:
                 request.blend = plan
                 request.reused_nonprefix_tokens = plan.reused_tokens
+                self.num_probe_fallbacks += plan.probe_fallback
             request.reused_approximate_prefix_tokens = match.num_tokens
         elif offered:  # the plan did not fit the pool; the exact path did
             self.num_fallbacks += 1
@@ -208,6 +221,7 @@ class ChunkReuseSource:
 
     def add_stats(self, stats: EngineStats) -> None:
         stats.blend_fallbacks = self.num_fallbacks
+        stats.blend_probe_fallbacks = self.num_probe_fallbacks
         stats.blend_waits = self.num_waits
 
     def _record_chunks(self, request: Request) -> None:

@@ -41,8 +41,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 class RagContext:
     """The ``ragkv`` extension of a chat request: retrieved chunks, an optional system and
     the opt-in to position-independent chunk reuse (``"reuse": "blend"``, with an optional
-    ``"strategy"``, ``"k"``, ``"ratio"`` and ``"head"``, as :class:`BlendConfig`; honoured
-    only by a server started with ``--reuse blend``)."""
+    ``"strategy"``, ``"k"``, ``"ratio"`` and ``"head"``, as :class:`BlendConfig`: absent or
+    null means its default, ``deviation`` with ``k=16``, ``ratio`` the strategy's (0.15 for
+    ``deviation``, 0 for ``first-k`` and ``none``) and ``head=0``; honoured only by a server
+    started with ``--reuse blend``)."""
 
     chunks: list[Chunk]
     system: str | None = None
@@ -256,7 +258,8 @@ MAX_REUSE_K = 1024  # tokens recomputed per reused chunk: more is a full recompu
 
 def _reuse(value: dict[str, Any]) -> BlendConfig | None:
     """``ragkv.reuse`` / ``ragkv.strategy`` / ``ragkv.k`` / ``ragkv.ratio`` / ``ragkv.head``:
-    the request's chunk reuse opt-in (:class:`BlendConfig`'s fields)."""
+    the request's chunk reuse opt-in (:class:`BlendConfig`'s fields; null: its default, and
+    a null ratio the strategy's, so ``{"strategy": "first-k"}`` means what it always has)."""
     reuse = _get(value, "reuse", str, None, "ragkv.")
     if reuse is None:
         for name in ("strategy", "k", "ratio", "head"):
@@ -267,11 +270,10 @@ def _reuse(value: dict[str, Any]) -> BlendConfig | None:
         return None
     if reuse != "blend":
         raise APIError(400, "ragkv.reuse must be 'blend' (or absent)", param="ragkv.reuse")
-    strategy = _get(value, "strategy", str, BlendConfig().strategy, "ragkv.")
     default = BlendConfig()
+    strategy = _get(value, "strategy", str, default.strategy, "ragkv.")
     k, head = _token_count(value, "k", default.k), _token_count(value, "head", default.head)
-    ratio = value.get("ratio")
-    ratio = default.ratio if ratio is None else ratio
+    ratio = value.get("ratio")  # None: the strategy's default (BlendConfig resolves it)
     try:
         return BlendConfig(strategy, k=k, ratio=ratio, head=head)
     except ConfigError as exc:

@@ -145,8 +145,28 @@ def request_schemas(
                     "strategy": {
                         "type": ["string", "null"],
                         "enum": ["none", "first-k", "deviation", None],
+                        "description": "which reused tokens are recomputed; null: deviation",
                     },
-                    "k": {"type": ["integer", "null"], "minimum": 0, "maximum": 1024},
+                    "k": {
+                        "type": ["integer", "null"],
+                        "minimum": 0,
+                        "maximum": 1024,
+                        "description": "tokens recomputed per reused chunk; null: 16",
+                    },
+                    "ratio": {
+                        "type": ["number", "null"],
+                        "minimum": 0,
+                        "maximum": 1,
+                        "description": "share of each reused chunk recomputed (k its floor); "
+                        "null: the strategy's, 0.15 for deviation, 0 for first-k and none",
+                    },
+                    "head": {
+                        "type": ["integer", "null"],
+                        "minimum": 0,
+                        "maximum": 1024,
+                        "description": "deviation only: first tokens of each reused chunk "
+                        "always recomputed; null: 0",
+                    },
                 },
                 "additionalProperties": False,
             },

@@ -87,19 +87,20 @@ def add_parser(subparsers: Any) -> None:
         "--blend-k",
         type=int,
         help="tokens recomputed per reused chunk in the ragkv+blend lane (default: "
-        "BlendConfig's, 16; 0 with first-k is naive reuse; with --blend-ratio, its floor)",
+        "BlendConfig's, 16; 0 with first-k is naive reuse; with a ratio, its floor)",
     )
     p.add_argument(
         "--blend-strategy",
         choices=("first-k", "deviation", "none"),
         help="which tokens of a reused chunk the ragkv+blend lane recomputes (default: "
-        "BlendConfig's, first-k)",
+        "BlendConfig's, deviation)",
     )
     p.add_argument(
         "--blend-ratio",
         type=float,
         help="recompute this share of each reused chunk (ceil(ratio x tokens), at least "
-        "--blend-k) in the ragkv+blend lane (default 0: --blend-k alone)",
+        "--blend-k) in the ragkv+blend lane (default: the strategy's, 0.15 with deviation, 0 with "
+        "first-k: --blend-k alone)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument(
@@ -332,7 +333,7 @@ def _blend_config(args: argparse.Namespace) -> Any:
     return BlendConfig(
         args.blend_strategy or default.strategy,
         k=default.k if args.blend_k is None else args.blend_k,
-        ratio=args.blend_ratio or 0.0,
+        ratio=args.blend_ratio,  # None: the strategy's (0.15 deviation, 0 first-k)
     )
 
 

@@ -30,8 +30,9 @@ block of the workload: what the tiers can at best recover.
 
 ``ragkv bench --reuse blend`` adds an opt-in fifth lane, ``ragkv+blend``: the ``ragkv``
 lane's own prompts (token ids and chunk spans, the same follow-up histories) replayed on a
-fresh engine with position-independent chunk reuse (``BlendConfig()`` unless ``--blend-k``
-says otherwise). Its answers are
+fresh engine with position-independent chunk reuse (``BlendConfig()``, deviation with
+``ratio=0.15``, unless ``--blend-strategy``, ``--blend-k`` or ``--blend-ratio`` say
+otherwise). Its answers are
 approximate, so it is left out of the determinism check and compared with ``ragkv``'s
 greedy outputs instead.
 

@@ -87,6 +87,8 @@ def test_blend_flags_make_the_lanes_settings():
 
     assert settings() is None  # BlendConfig()'s defaults
     assert settings("--blend-k", "0") == BlendConfig(k=0)
+    assert settings("--blend-k", "0") == BlendConfig("deviation", k=0, ratio=0.15)
+    assert settings("--blend-strategy", "first-k") == BlendConfig("first-k", k=16, ratio=0)
     deviation = settings("--blend-strategy", "deviation", "--blend-ratio", "0.15")
     assert deviation == BlendConfig("deviation", k=16, ratio=0.15)
     with pytest.raises(ConfigError):

@@ -87,4 +87,5 @@ def test_dataset_rows_have_the_schema_and_the_exact_row_agrees_with_the_referenc
     assert rows["naive"]["recompute_ratio"] < 0.05  # every passage found, none recomputed
     # same budget: deviation recomputes as many tokens as first-k
     assert rows["deviation k=4"]["recompute_ratio"] == rows["first-k k=4"]["recompute_ratio"] > 0
-    assert not any(row["default"] for row in rows.values())  # k=4 is not BlendConfig()'s k
+    # BlendConfig() is deviation k=16 ratio=0.15: no row here (k=4, ratio 0) is it
+    assert not any(row["default"] for row in rows.values())

@@ -399,7 +399,7 @@ def test_ratio_and_head_are_validated_and_part_of_the_reuse_scope():
     scopes = {
         reuse_scope(c)
         for c in (
-            BlendConfig("deviation", k=16),
+            BlendConfig("deviation", k=16, ratio=0),
             BlendConfig("deviation", k=16, ratio=0.15),
             BlendConfig("deviation", k=16, ratio=0.25),
             BlendConfig("deviation", k=16, ratio=0.15, head=4),
@@ -407,6 +407,19 @@ def test_ratio_and_head_are_validated_and_part_of_the_reuse_scope():
         )
     }
     assert len(scopes) == 5
+
+
+def test_the_default_is_deviation_at_a_ratio_and_explicit_settings_keep_their_scope():
+    from ragkv.cache_engine.chunk_reuse.source import reuse_scope
+
+    assert BlendConfig() == BlendConfig("deviation", k=16, ratio=0.15, head=0)
+    assert BlendConfig("deviation") == BlendConfig("deviation", ratio=0.15)
+    # an unset ratio is the strategy's: first-k and none mean what they meant before
+    assert BlendConfig("first-k") == BlendConfig("first-k", k=16, ratio=0.0)
+    assert BlendConfig("none").ratio == 0.0
+    assert reuse_scope(BlendConfig("first-k", k=16)) == b"blend:first-k:16:ratio=0.0:head=0"
+    assert reuse_scope(BlendConfig("none")) == b"blend:none:16:ratio=0.0:head=0"
+    assert reuse_scope(BlendConfig()) == b"blend:deviation:16:ratio=0.15:head=0"
 
 
 def test_approximate_blocks_of_one_ratio_are_not_shared_with_another(two_layers):

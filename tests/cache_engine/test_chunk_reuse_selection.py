@@ -136,19 +136,53 @@ def test_deviation_chooses_the_copied_tokens_whose_values_moved_most():
     assert plan.src_slots == [100, 101, 103, 104, 106]
 
 
-def test_a_deviation_probe_larger_than_a_step_falls_back_to_the_exact_path(model):
-    layers, path, _ = model
+def small_step_blend(path, config):
+    """``SECOND`` blended after ``FIRST`` in an engine whose step runs 32 tokens: 19
+    computed tokens fit it, a deviation probe over the 59 tokens from the plan's start does
+    not."""
     with Engine.from_pretrained(
         path, device="cpu", block_size=BLOCK, kv_cache_tokens=2048, max_num_batched_tokens=32
     ) as eng:
         eng.generate(FIRST, GREEDY, chunk_spans=SPANS)
-        first_k = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=BlendConfig("first-k", k=4))
-        deviation = eng.generate(
-            SECOND[:-1] + [9], GREEDY, chunk_spans=SPANS, reuse=BlendConfig("deviation", k=4)
-        )
-        fallbacks = eng.stats().blend_fallbacks
-    assert first_k.approximate  # 19 computed tokens fit the step
-    assert not deviation.approximate and fallbacks == 1  # its probe of 59 tokens does not
+        out = eng.generate(SECOND, GREEDY, chunk_spans=SPANS, reuse=config, return_logits=True)
+        return out, eng.stats()
+
+
+def test_a_deviation_probe_larger_than_a_step_runs_first_k_of_the_same_budget(model):
+    layers, path, _ = model
+    first_k, first_k_stats = small_step_blend(path, BlendConfig("first-k", k=4))
+    deviation, stats = small_step_blend(path, BlendConfig("deviation", k=4, ratio=0.15))
+    assert deviation.approximate and deviation.usage.reused_nonprefix_tokens == A + B - 8
+    assert stats.blend_probe_fallbacks == 1 and stats.blend_fallbacks == 0
+    assert first_k_stats.blend_probe_fallbacks == 0
+    # the first-k positions: the same rows computed, to the same values, the same tokens
+    assert deviation.token_ids == first_k.token_ids
+    assert deviation.logits_start == first_k.logits_start
+    assert torch.equal(deviation.logits, first_k.logits)
+
+
+def test_a_plan_too_big_for_a_step_even_as_first_k_falls_back_to_the_exact_path(model):
+    layers, path, _ = model
+    out, stats = small_step_blend(path, BlendConfig("deviation", k=16))
+    assert not out.approximate and out.usage.reused_nonprefix_tokens == 0
+    assert stats.blend_fallbacks == 1 and stats.blend_probe_fallbacks == 0
+
+
+def test_a_fallen_back_deviation_plan_is_the_first_k_plan_of_its_budget():
+    location = ChunkLocation(start=100, num_tokens=8, block_ids=(6, 7), generations=(0, 0))
+    tokens = list(range(30))
+
+    def plan(config):
+        return plan_blend(tokens, [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
+
+    first_k = plan(BlendConfig("first-k", k=2, ratio=0.3))
+    for head in (0, 1):
+        deviation = plan(BlendConfig("deviation", k=2, ratio=0.3, head=head))
+        deviation.keep_first_k()
+        assert deviation.choose == 0 and deviation.positions == first_k.positions
+        assert deviation.dst_positions == first_k.dst_positions
+        assert deviation.src_slots == first_k.src_slots and deviation.deltas == first_k.deltas
+        assert deviation.reused_tokens == first_k.reused_tokens == 10
 
 
 # -- a budget relative to the chunk (ratio) and a fixed head (issue 25) --------------------
@@ -161,7 +195,9 @@ def test_a_ratio_budget_scales_with_each_chunk_and_k_is_its_floor():
     assert BlendConfig("deviation", ratio=0.15).recomputed(50) == 16  # k=16 is the floor
     assert BlendConfig("first-k", k=0, ratio=0.25).recomputed(3) == 1
     assert BlendConfig("first-k", k=8, ratio=1).recomputed(5) == 5  # never past the chunk
-    assert BlendConfig("deviation", k=4).recomputed(600) == 4  # no ratio: k alone
+    assert BlendConfig("deviation", k=4, ratio=0).recomputed(600) == 4  # ratio 0: k alone
+    assert BlendConfig("deviation", k=4).recomputed(600) == 90  # unset: deviation's 0.15
+    assert BlendConfig("first-k", k=4).recomputed(600) == 4  # unset: first-k's 0, as before
     assert BlendConfig("none", k=16).recomputed(600) == 0
 
 

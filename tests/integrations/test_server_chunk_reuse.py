@@ -61,7 +61,7 @@ def test_malformed_opt_ins_are_refused_with_the_field(blend_client):
         ({"reuse": "blend", "ratio": 10**400}, "ragkv.ratio"),  # too large for a float
         ({"reuse": "blend", "ratio": "0.1"}, "ragkv.ratio"),
         ({"reuse": "blend", "strategy": "none", "ratio": 0.2}, "ragkv.ratio"),
-        ({"reuse": "blend", "head": 4}, "ragkv.head"),  # head is deviation's
+        ({"reuse": "blend", "strategy": "first-k", "head": 4}, "ragkv.head"),  # deviation's
         ({"reuse": "blend", "strategy": "deviation", "head": 5000}, "ragkv.head"),
         ({"ratio": 0.15}, "ragkv.ratio"),
     ]:
@@ -70,6 +70,25 @@ def test_malformed_opt_ins_are_refused_with_the_field(blend_client):
         assert response.json()["error"]["param"] == param
     valid = {"reuse": "blend", "strategy": "deviation", "ratio": 0.15, "head": 2}
     assert chat(blend_client, CHUNKS[:2], "Q?", **valid).status_code == 200
+
+
+def test_absent_or_null_settings_mean_blend_configs_default_and_the_strategys_ratio():
+    from ragkv.cache_engine.chunk_reuse import BlendConfig
+    from ragkv.integrations.openai.protocol import parse_chat
+
+    def reuse(**ragkv):
+        body = {"messages": [{"role": "user", "content": "Q?"}], "ragkv": {"chunks": ["c"]}}
+        body["ragkv"].update(reuse="blend", **ragkv)
+        rag = parse_chat(body).rag
+        assert rag is not None
+        return rag.reuse
+
+    assert reuse() == reuse(strategy=None, k=None, ratio=None, head=None) == BlendConfig()
+    assert reuse() == BlendConfig("deviation", k=16, ratio=0.15)
+    assert reuse(head=4) == BlendConfig("deviation", k=16, ratio=0.15, head=4)
+    # an explicit first-k or none means what it did before deviation became the default
+    assert reuse(strategy="first-k", k=16) == BlendConfig("first-k", k=16, ratio=0.0)
+    assert reuse(strategy="none", ratio=None) == BlendConfig("none")
 
 
 def test_a_server_without_the_flag_refuses_the_opt_in(client):

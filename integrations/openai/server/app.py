@@ -120,7 +120,8 @@ def create_app(
     its learned state per salt (``Pipeline(engine, isolate_by_salt=True)``). The caller owns
     the engine and closes it; the app never does. ``reuse="blend"`` (in-process engine only)
     lets chat requests opt into position-independent chunk reuse with ``"ragkv": {"chunks":
-    [...], "reuse": "blend"}``; their answers are approximate and their usage says how many
+    [...], "reuse": "blend"}`` (settings absent or null: ``BlendConfig()``'s, deviation with
+    ``ratio=0.15``); their answers are approximate and their usage says how many
     prompt tokens were reused that way (``reused_nonprefix_tokens``). A chat request that
     sets no ``max_tokens`` generates at most ``default_max_tokens`` (within the context); it
     may ask for more. Tenants' cache namespaces are keyed by a deployment secret

@@ -125,8 +125,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         choices=("blend",),
         default=None,
         help="let chat requests opt into position-independent chunk reuse with "
-        '"ragkv": {"chunks": [...], "reuse": "blend", "k": 16} (approximate answers, '
-        "usage.reused_nonprefix_tokens); off by default",
+        '"ragkv": {"chunks": [...], "reuse": "blend"} (approximate answers, '
+        "usage.reused_nonprefix_tokens; optional strategy, k, ratio and head, null or absent "
+        "meaning BlendConfig's default: deviation, k 16, ratio 0.15); off by default",
     )
     events = parser.add_argument_group(
         "KV events",
