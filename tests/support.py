@@ -169,6 +169,30 @@ def running_servers(default_engine: Any) -> Iterator[Callable[..., tuple[str, An
             thread.stop()
 
 
+def serve_in_thread(engine: Any, api_key: str, *, events: bool = True) -> tuple[str, Any, Any]:
+    """Serve ``engine`` on a free loopback port in this process and, with ``events``, publish
+    its KV events over ZMQ as ``ragkv serve --kv-events-endpoint`` does (free loopback PUB
+    and replay ports): ``(url ending in /v1, server thread, publisher or None)``. The caller
+    stops the thread, then closes the publisher."""
+    from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
+    from ragkv.integrations.openai.server.app import create_app
+    from ragkv.integrations.openai.server.thread import ServerThread
+
+    publisher = None
+    if events:
+        publisher = KVEventPublisher(
+            engine.kv_events(),
+            "tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            salt_views=SaltViews(),
+        ).start()
+    app = create_app(engine, api_key=api_key)
+    if publisher is not None:
+        app.state.ragkv.salt_views = publisher.salt_views
+    thread = ServerThread(app)
+    return thread.start() + "/v1", thread, publisher
+
+
 def open_engine_fixture(scope: str, **settings: Any) -> Any:
     """An ``engine`` fixture of ``scope`` over the integration tests' ``open_engine``
     (``settings``: ``Engine.from_pretrained`` keywords); the engine closes when the scope

@@ -8,7 +8,7 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-from support import benchmark_script
+from support import benchmark_script, serve_in_thread
 
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
@@ -42,9 +42,6 @@ class InThreadServers:
 
     def _one(self, kv_cache_tokens: int, events: bool):
         from ragkv.cache_engine import Engine
-        from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
-        from ragkv.integrations.openai.server.app import create_app
-        from ragkv.integrations.openai.server.thread import ServerThread
 
         engine = Engine.from_pretrained(
             self.model,
@@ -53,19 +50,7 @@ class InThreadServers:
             kv_cache_tokens=kv_cache_tokens,
             max_num_seqs=self.bench.concurrency,
         )
-        publisher = None
-        if events:
-            publisher = KVEventPublisher(
-                engine.kv_events(),
-                "tcp://127.0.0.1:*",
-                replay_endpoint="tcp://127.0.0.1:*",
-                salt_views=SaltViews(),
-            ).start()
-        app = create_app(engine, api_key=API_KEY)
-        if publisher is not None:
-            app.state.ragkv.salt_views = publisher.salt_views
-        thread = ServerThread(app)
-        url = thread.start() + "/v1"
+        url, thread, publisher = serve_in_thread(engine, API_KEY, events=events)
         done = []
 
         def stop() -> None:

@@ -168,16 +168,16 @@ def test_a_plan_too_big_for_a_step_even_as_first_k_falls_back_to_the_exact_path(
     assert stats.blend_fallbacks == 1 and stats.blend_probe_fallbacks == 0
 
 
-def test_a_fallen_back_deviation_plan_is_the_first_k_plan_of_its_budget():
+def two_chunk_plan(config: BlendConfig):
+    """The plan of a 30-token prompt whose chunks (10, 18) and (18, 26) are both found."""
     location = ChunkLocation(start=100, num_tokens=8, block_ids=(6, 7), generations=(0, 0))
-    tokens = list(range(30))
+    return plan_blend(list(range(30)), [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
 
-    def plan(config):
-        return plan_blend(tokens, [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
 
-    first_k = plan(BlendConfig("first-k", k=2, ratio=0.3))
+def test_a_fallen_back_deviation_plan_is_the_first_k_plan_of_its_budget():
+    first_k = two_chunk_plan(BlendConfig("first-k", k=2, ratio=0.3))
     for head in (0, 1):
-        deviation = plan(BlendConfig("deviation", k=2, ratio=0.3, head=head))
+        deviation = two_chunk_plan(BlendConfig("deviation", k=2, ratio=0.3, head=head))
         deviation.keep_first_k()
         assert deviation.choose == 0 and deviation.positions == first_k.positions
         assert deviation.dst_positions == first_k.dst_positions
@@ -219,20 +219,15 @@ def test_a_ratio_plan_recomputes_a_share_of_each_chunk_whatever_its_length():
 
 
 def test_a_deviation_head_is_computed_and_only_the_rest_of_the_budget_is_chosen():
-    location = ChunkLocation(start=100, num_tokens=8, block_ids=(6, 7), generations=(0, 0))
-    tokens = list(range(30))
-
-    def plan(config):
-        return plan_blend(tokens, [(10, 18), (18, 26)], 8, config, lambda _: location, 16)
-
-    hybrid = plan(BlendConfig("deviation", k=3, head=1))
+    hybrid = two_chunk_plan(BlendConfig("deviation", k=3, head=1))
     assert hybrid.dst_positions == [*range(11, 18), *range(19, 26)]  # the heads never copied
     assert hybrid.choose == 4 and hybrid.reused_tokens == 16 - 6
     assert hybrid.exact_until == 11 and hybrid.start == 8
     hybrid.choose_recomputed([15, 16, 24, 25])
     assert hybrid.positions == [8, 9, 10, 15, 16, 18, 24, 25, 26, 27, 28, 29]
-    capped = plan(BlendConfig("deviation", k=2, head=5))  # a head beyond the budget: first-k
-    assert capped.choose == 0 and capped.positions == plan(BlendConfig("first-k", k=2)).positions
+    capped = two_chunk_plan(BlendConfig("deviation", k=2, head=5))  # past the budget: first-k
+    first_k = two_chunk_plan(BlendConfig("first-k", k=2))
+    assert capped.choose == 0 and capped.positions == first_k.positions
 
 
 def test_ratio_and_head_blends_run_and_recompute_their_budget(model):

@@ -12,6 +12,8 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 pytest.importorskip("fastapi")
 
+from support import serve_in_thread  # noqa: E402
+
 from ragkv.cache_engine import SamplingParams  # noqa: E402
 from ragkv.integrations.routing import ReplicaRouter  # noqa: E402
 
@@ -26,25 +28,14 @@ def doc(seed: int) -> list[int]:
 @pytest.fixture
 def publishing_replicas(serve_model_dir, api_key):
     from ragkv.cache_engine import Engine
-    from ragkv.integrations.kv_events.publisher import KVEventPublisher, SaltViews
-    from ragkv.integrations.openai.server.app import create_app
-    from ragkv.integrations.openai.server.thread import ServerThread
 
     engines, threads, publishers, urls = [], [], [], []
     for _ in range(3):
         engine = Engine.from_pretrained(
             serve_model_dir, device="cpu", kv_cache_tokens=512, max_model_len=512
         )
-        publisher = KVEventPublisher(
-            engine.kv_events(),
-            "tcp://127.0.0.1:*",
-            replay_endpoint="tcp://127.0.0.1:*",
-            salt_views=SaltViews(),
-        ).start()
-        app = create_app(engine, api_key=api_key)
-        app.state.ragkv.salt_views = publisher.salt_views
-        thread = ServerThread(app)
-        urls.append(thread.start() + "/v1")
+        url, thread, publisher = serve_in_thread(engine, api_key)
+        urls.append(url)
         engines.append(engine)
         threads.append(thread)
         publishers.append(publisher)
