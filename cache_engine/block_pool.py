@@ -4,11 +4,13 @@ Blocks are plain integers; per-block state lives in preallocated lists indexed b
 (no Python object per block). The free queue is an ``OrderedDict`` used as an O(1) LRU:
 ``popitem(last=False)`` takes the head, ``del`` removes from the middle, assignment appends.
 
-Free blocks that a queued request is going to reuse (its cached prefix, *demanded* when it
-arrived) wait in a second queue, evicted only when no other free block is left: requests
-scheduled ahead of it then take other blocks first, and the prefix it was routed or
-assembled to reuse is still there when it is admitted. A demand is not a reference: it never
-keeps a block from being handed out when nothing else is free.
+Free blocks that something is going to reuse are *demanded* and wait in queues of their
+own, drawn from only when the plain free queue is empty: first those the chunk index
+records (``recorded=True``: a chunk reusable at any position outlives blocks only an exact
+prefix could reuse), last those a queued request will reuse (its cached prefix when it
+arrived: requests scheduled ahead of it take other blocks first, and the prefix it was
+routed or assembled to reuse is still there when it is admitted). A demand is not a
+reference: it never keeps a block from being handed out when nothing else is free.
 
 A free block keeps its hash and stays findable until it is popped for reuse (lazy
 eviction). There is no reserved null block: every id in ``range(num_blocks)`` holds KV.
@@ -41,9 +43,12 @@ class BlockPool:
         # the chunk index can tell that a recorded location still holds what it recorded.
         self.generation = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Free blocks with a demand (queued requests that will reuse them), evicted last.
+        # Free blocks the chunk index records, evicted after the plain ones; then free blocks
+        # queued requests will reuse, evicted last (see the module docstring).
+        self._recorded: OrderedDict[int, None] = OrderedDict()
         self._held: OrderedDict[int, None] = OrderedDict()
-        self.demand = [0] * num_blocks
+        self.demand = [0] * num_blocks  # queued requests' demands per block
+        self.recorded = [0] * num_blocks  # the chunk index's demands per block
         self.num_evictions = 0
         self.num_collisions = 0
         # When a list, every hash dropped by eviction or ``forget`` is appended to it (the
@@ -53,11 +58,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with no reference (cached or not): what ``allocate`` can hand out."""
-        return len(self._free) + len(self._held)
+        return len(self._free) + len(self._recorded) + len(self._held)
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order, the next one to be reused first."""
-        return [*self._free, *self._held]
+        return [*self._free, *self._recorded, *self._held]
 
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` are unreferenced (touching them shrinks the free queue)."""
@@ -84,15 +89,14 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Pop ``num_blocks`` from the free-queue head (evicting their hashes), ref count 1."""
-        if num_blocks > len(self._free) + len(self._held):
+        if num_blocks > self.num_free_blocks:
             return None
         block_ids = []
         for _ in range(num_blocks):
-            if self._free:
-                block_id, _ = self._free.popitem(last=False)
-            else:  # only demanded blocks are left: the queued request will compute it
-                block_id, _ = self._held.popitem(last=False)
-                self.demand[block_id] = 0  # its generation moves on: late drops are ignored
+            queue = self._free or self._recorded or self._held
+            block_id, _ = queue.popitem(last=False)
+            if queue is not self._free:  # its demanders will compute it again
+                self.demand[block_id] = self.recorded[block_id] = 0  # late drops: ignored
             block_hash = self.block_hash[block_id]
             if block_hash is not None:
                 self._evict(block_id, block_hash)
@@ -111,32 +115,38 @@ class BlockPool:
                 self._queue_of(block_id).pop(block_id)
                 refs[block_id] = 1
 
-    def add_demand(self, block_ids: Iterable[int]) -> None:
-        """A queued request will reuse ``block_ids``: free ones move to the demanded queue's
-        tail in the given order (evicted last, and among those least recently demanded first)."""
-        refs, demand, held = self.ref_counts, self.demand, self._held
+    def add_demand(self, block_ids: Iterable[int], *, recorded: bool = False) -> None:
+        """A queued request (or, ``recorded``, the chunk index) will reuse ``block_ids``: free
+        ones move to the tail of their demanded queue in the given order (among demanded
+        blocks of one kind, the least recently demanded go first)."""
+        refs, counts = self.ref_counts, self.recorded if recorded else self.demand
         for block_id in block_ids:
-            demand[block_id] += 1
+            counts[block_id] += 1
             if not refs[block_id]:
-                self._free.pop(block_id, None)
-                held[block_id] = None
-                held.move_to_end(block_id)
+                self._requeue(block_id)
 
-    def drop_demand(self, block_ids: Iterable[int]) -> None:
-        """Undo :meth:`add_demand` (the request was admitted or left); a free block nobody
-        demands any more joins the plain free queue's tail."""
-        refs, demand = self.ref_counts, self.demand
+    def drop_demand(self, block_ids: Iterable[int], *, recorded: bool = False) -> None:
+        """Undo :meth:`add_demand` of the same kind (the request was admitted or left, the
+        entry was dropped); a free block joins the tail of the queue its demands now say."""
+        refs, counts = self.ref_counts, self.recorded if recorded else self.demand
         for block_id in block_ids:
-            if not demand[block_id]:
+            if not counts[block_id]:
                 continue
-            demand[block_id] -= 1
-            if not demand[block_id] and not refs[block_id]:
-                del self._held[block_id]
-                self._free[block_id] = None
+            counts[block_id] -= 1
+            if not counts[block_id] and not refs[block_id]:
+                self._requeue(block_id)
 
     def _queue_of(self, block_id: int) -> OrderedDict[int, None]:
         """The free queue an unreferenced block waits in."""
-        return self._held if self.demand[block_id] else self._free
+        if self.demand[block_id]:
+            return self._held
+        return self._recorded if self.recorded[block_id] else self._free
+
+    def _requeue(self, block_id: int) -> None:
+        """Move an unreferenced block to the tail of the queue its demands say."""
+        for queue in (self._free, self._recorded, self._held):
+            queue.pop(block_id, None)
+        self._queue_of(block_id)[block_id] = None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference each; blocks reaching zero join the queue tail in the given order.
@@ -146,7 +156,7 @@ class BlockPool:
         the server logs it as an internal error instead of answering the request with it.
         Blocks before it in ``block_ids`` are already released; the offending one is untouched.
         """
-        refs, demand = self.ref_counts, self.demand
+        refs = self.ref_counts
         for block_id in block_ids:
             if not refs[block_id]:
                 raise RuntimeError(
@@ -155,7 +165,7 @@ class BlockPool:
                 )
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                (self._held if demand[block_id] else self._free)[block_id] = None
+                self._queue_of(block_id)[block_id] = None
 
     def cache(self, block_id: int, block_hash: bytes, hash_input: bytes) -> bool:
         """Register a full block under ``block_hash``; False if the key holds different bytes.
@@ -191,7 +201,7 @@ class BlockPool:
         """Forget every cached hash; refused (False) while any block is referenced."""
         if self.num_free_blocks != self.num_blocks:
             return False
-        for block_id in list(self._held):
+        for block_id in [*self._recorded, *self._held]:
             self._undemand(block_id)
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
@@ -201,11 +211,10 @@ class BlockPool:
 
     def _undemand(self, block_id: int) -> None:
         """Its content is gone: nobody can reuse it (demands of the old generation are void)."""
-        if self.demand[block_id]:
-            self.demand[block_id] = 0
+        if self.demand[block_id] or self.recorded[block_id]:
+            self.demand[block_id] = self.recorded[block_id] = 0
             if not self.ref_counts[block_id]:
-                del self._held[block_id]
-                self._free[block_id] = None
+                self._requeue(block_id)
 
     def _evict(self, block_id: int, block_hash: bytes) -> None:
         del self.cached[block_hash]

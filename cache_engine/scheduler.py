@@ -103,13 +103,17 @@ class Scheduler:
         """Queue a request; one that could never fit the whole pool is refused now."""
         self.check_fits(request)
         request.status = RequestStatus.WAITING
+        self._note_demand(request)  # its own hashing failing: refused, leaving nothing behind
+        self.waiting.append(request)
+
+    def _note_demand(self, request: Request) -> None:
+        """Ask the pool to keep the queued request's cached prefix (evicted last)."""
         if self.config.enable_prefix_caching:
             try:
                 self.kv.note_demand(request)
-            except Exception:  # its own hashing: refused, leaving nothing behind
+            except Exception:
                 self.kv.free(request)
                 raise
-        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -405,6 +409,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request)
         self.kv.free(request)
+        with contextlib.suppress(Exception):  # a hint: admission hashes it again, failing alone
+            self._note_demand(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

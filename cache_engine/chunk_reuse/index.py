@@ -15,9 +15,10 @@ requests could not find, it does). Only opted-in requests look anything up,
 so no exact request ever reads what this index points at.
 
 Given the engine's ``pool``, the index *demands* the blocks of every entry it holds
-(:meth:`~ragkv.cache_engine.block_pool.BlockPool.add_demand`): the pool evicts other free
-blocks first (a question's, a history's), so a recorded chunk, reusable at any position,
-outlives blocks only an exact prefix could reuse. An entry dropped withdraws its demand.
+(:meth:`~ragkv.cache_engine.block_pool.BlockPool.add_demand` with ``recorded=True``): the
+pool evicts plain free blocks first (a question's, a history's), so a recorded chunk,
+reusable at any position, outlives blocks only an exact prefix could reuse; a queued
+request's prefix outlives both. An entry dropped withdraws its demand.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ChunkIndex:
         self._entries[key] = _Entry(salt_digest, tokens, location, scope)
         self._num_tokens += len(token_ids)
         if self._pool is not None:  # tail blocks first, as the pool frees a request's
-            self._pool.add_demand(reversed(block_ids))
+            self._pool.add_demand(reversed(block_ids), recorded=True)
         while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
@@ -186,5 +187,6 @@ class ChunkIndex:
                         b
                         for b, g in zip(location.block_ids, location.generations, strict=True)
                         if generation[b] == g
-                    ]
+                    ],
+                    recorded=True,
                 )

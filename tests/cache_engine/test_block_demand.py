@@ -101,6 +101,53 @@ def test_a_queued_requests_prefix_survives_the_request_admitted_ahead_of_it():
     assert kv.num_free_blocks == 12 and not any(kv.pool.demand)
 
 
+def test_a_request_s_withdrawal_spares_a_demand_on_the_blocks_new_contents():
+    # The queued request's prefix block is handed out (nothing else free) and cached anew;
+    # another request demands the new contents. The first one leaving must not withdraw it.
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=1))
+    _run_alone(scheduler, _req("p", [1, 2, 3, 4, 5]))
+    waiting = _req("waiting", [1, 2, 3, 4, 9])
+    scheduler.add(waiting)
+    (block,) = [b for b, d in enumerate(kv.pool.demand) if d]
+    new = kv.pool.allocate(2)
+    assert block in new and kv.pool.demand[block] == 0
+    kv.pool.cache(block, b"new", b"new")
+    kv.pool.free(new)
+    kv.pool.add_demand([block])  # someone demands the new contents
+    scheduler.finish(waiting, "abort")
+    assert kv.pool.demand[block] == 1
+
+
+def test_discarding_a_request_withdraws_its_demand():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=1))
+    _run_alone(scheduler, _req("p", [*range(100, 116), 1]))
+    waiting = _req("waiting", [*range(100, 116), 9])
+    scheduler.add(waiting)
+    assert sum(kv.pool.demand) == 4
+    kv.discard(waiting, 0)  # a request failing mid-step is discarded
+    assert not any(kv.pool.demand) and kv.num_free_blocks == 8
+
+
+def test_a_preempted_request_demands_its_prefix_again():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=2))
+    a = Request("a", list(range(8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Request("b", list(range(100, 108)), SamplingParams(max_tokens=8, ignore_eos=True))
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(6):  # decode until the pool runs out and the youngest is preempted
+        out = scheduler.schedule()
+        if out.preempted:
+            break
+        for s in out.slices:
+            s.request.num_computed_tokens = s.end
+        scheduler.update(out, [7] * sum(1 for s in out.slices if s.end >= s.request.num_tokens))
+    assert out.preempted == [b]
+    assert sum(kv.pool.demand) >= 1  # its cached prefix is kept for its return
+
+
 def test_a_queued_request_that_leaves_withdraws_its_demand():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=1))
@@ -130,7 +177,7 @@ def test_recorded_chunks_outlive_blocks_only_an_exact_prefix_could_reuse():
     index.record(None, [6] * 4, 0, [2], 4, pool.generation)
     index.record(None, [7] * 4, 0, [3], 4, pool.generation)
     assert index.lookup(None, [5] * 8, pool.generation) is None
-    assert pool.demand[:2] == [0, 0]
+    assert pool.recorded[:2] == [0, 0] and pool.free_block_ids()[-2:] == [0, 1]
 
 
 def test_an_entry_whose_blocks_moved_on_withdraws_only_what_it_still_demands():
@@ -143,6 +190,31 @@ def test_an_entry_whose_blocks_moved_on_withdraws_only_what_it_still_demands():
     pool.forget(0)  # block 0's K/V is gone: its demands with it
     assert index.lookup(None, [5] * 8, pool.generation) is None  # stale: dropped
     assert pool.demand == [0, 1, 0, 0]  # the queued request's demand stays
+    assert pool.recorded == [0, 0, 0, 0]
     index.record(None, [6] * 4, 0, [1], 4, pool.generation)
     index.clear()
-    assert pool.demand == [0, 1, 0, 0]
+    assert pool.demand == [0, 1, 0, 0] and pool.recorded == [0, 0, 0, 0]
+
+
+def test_a_stale_entry_never_withdraws_a_demand_made_on_the_blocks_new_contents():
+    from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
+
+    pool = registered_pool(4, cached=[0])
+    index = ChunkIndex(pool=pool)
+    index.record(None, [5] * 4, 0, [0], 4, pool.generation)
+    pool.forget(0)  # the entry's generation is gone
+    pool.cache(0, b"new", b"new")
+    index.record(None, [6] * 4, 0, [0], 4, pool.generation)  # the new contents, recorded
+    assert index.lookup(None, [5] * 4, pool.generation) is None  # the stale entry drops
+    assert pool.recorded[0] == 1  # the new entry's demand is untouched
+
+
+def test_queued_requests_demands_outlast_the_chunk_index_s():
+    from ragkv.cache_engine.chunk_reuse.index import ChunkIndex
+
+    pool = registered_pool(6, cached=[0, 1, 2, 3])
+    ChunkIndex(pool=pool).record(None, [5] * 8, 0, [0, 1], 4, pool.generation)
+    pool.add_demand([3, 2])  # a queued request's prefix, demanded after the chunk
+    assert pool.free_block_ids() == [4, 5, 1, 0, 3, 2]
+    assert pool.allocate(4) == [4, 5, 1, 0]
+    assert pool.demand[2:4] == [1, 1] and pool.recorded[:2] == [0, 0]
