@@ -56,7 +56,10 @@ from ragkv.bench.replicas import (
 from ragkv.bench.report import machine_info, write_json
 from ragkv.bench.runner import BenchConfig, model_path, resolve_dtype
 from ragkv.bench.workload import Workload
+from ragkv.cache_engine.engine_flags import add_engine_flags, engine_settings
 
+# The engine settings taken from the command line, declared (flag, help) by EngineConfig.
+ENGINE_FLAGS = ("model", "device", "dtype", "kv_cache_tokens", "block_size")
 API_KEY_ENV = "RAGKV_API_KEY"  # ragkv serve's --api-key default; kept out of the process list
 
 
@@ -372,11 +375,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--topics", type=int, help="synthetic (ragkv bench's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, help="the whole pool (default: as ragkv bench)")
+    add_engine_flags(
+        p,
+        ENGINE_FLAGS,
+        overrides={
+            "dtype": {"default": "float32", "help": "float32 (default), bfloat16, float16, auto"},
+            "device": {"default": "cpu", "help": "cpu (default) or cuda[:N]"},
+            "kv_cache_tokens": {"help": "the whole pool (default: as ragkv bench)"},
+        },
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
@@ -395,11 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     config = BenchConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        block_size=args.block_size,
+        **engine_settings(args, ENGINE_FLAGS),
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         order=args.order,
