@@ -604,11 +604,15 @@ def test_one_tenants_flood_of_large_chats_does_not_queue_anothers_small_chat(ser
                  for _ in range(12)]  # fmt: skip
         for t in flood:
             t.start()
-        for _ in range(600):  # every flood request is decoded and waits to be tokenized
-            if workers.pending("flood") == 12:
+        # Every flood request has arrived (waiting to be tokenized, or already refused: on a
+        # fast machine the first ones may be done before the last one is decoded).
+        for _ in range(1200):
+            if workers.pending("flood") + len(finished) == 12:
                 break
             time.sleep(0.05)
-        assert workers.pending("flood") == 12
+        pending = workers.pending("flood")
+        done_before = len(finished)
+        assert pending + done_before == 12 and pending >= 4
         send("key-quiet-0123", small, "quiet")
         for t in flood:
             t.join(timeout=120)
@@ -617,4 +621,5 @@ def test_one_tenants_flood_of_large_chats_does_not_queue_anothers_small_chat(ser
     order = [name for _, name, _ in sorted(finished)]
     statuses = {name: status for _, name, status in finished}
     assert statuses["quiet"] == 200 and statuses["flood"] == 400  # too many prompt tokens
-    assert len(order) == 13 and order.index("quiet") <= 1  # not behind the flood
+    # Not behind the flood: at most the one being tokenized finishes after it was sent.
+    assert len(order) == 13 and order.index("quiet") <= done_before + 1
