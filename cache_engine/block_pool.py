@@ -125,10 +125,23 @@ class BlockPool:
             if not refs[block_id]:
                 self._requeue(block_id)
 
-    def drop_demand(self, block_ids: Iterable[int], *, recorded: bool = False) -> None:
+    def drop_demand(
+        self,
+        block_ids: Iterable[int],
+        generations: Iterable[int] | None = None,
+        *,
+        recorded: bool = False,
+    ) -> None:
         """Undo :meth:`add_demand` of the same kind (the request was admitted or left, the
-        entry was dropped); a free block joins the tail of the queue its demands now say."""
+        entry was dropped); a free block joins the tail of the queue its demands now say.
+
+        ``generations``: each block's generation when it was demanded; a block handed out
+        or forgotten since lost that demand then, so it is skipped (a demand on its new
+        contents stays)."""
         refs, counts = self.ref_counts, self.recorded if recorded else self.demand
+        if generations is not None:
+            now = self.generation
+            block_ids = [b for b, g in zip(block_ids, generations, strict=True) if now[b] == g]
         for block_id in block_ids:
             if not counts[block_id]:
                 continue

@@ -364,8 +364,8 @@ class KVCacheManager:
     def _drop_demand(self, state: _RequestState) -> None:
         """Withdraw the request's demand on blocks that still hold what it demanded."""
         if state.demanded:
-            generation = self.pool.generation
-            self.pool.drop_demand([b for b, g in state.demanded if generation[b] == g])
+            blocks, generations = zip(*state.demanded, strict=True)
+            self.pool.drop_demand(blocks, generations)
             state.demanded = []
 
     def _cache_full_blocks(

@@ -180,13 +180,5 @@ class ChunkIndex:
         if entry is not None:
             location = entry.location
             self._num_tokens -= location.num_tokens
-            if self._pool is not None:  # blocks handed out since lost their demand then
-                generation = self._pool.generation
-                self._pool.drop_demand(
-                    [
-                        b
-                        for b, g in zip(location.block_ids, location.generations, strict=True)
-                        if generation[b] == g
-                    ],
-                    recorded=True,
-                )
+            if self._pool is not None:
+                self._pool.drop_demand(location.block_ids, location.generations, recorded=True)
