@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 GREEDY = {"temperature": 0, "max_tokens": 2}
 CHUNKS = [
@@ -48,6 +49,17 @@ def test_a_request_opting_in_reuses_chunks_seen_at_another_position(blend_client
         assert answer.status_code == 200, answer.text
         reused += answer.json()["usage"].get("reused_nonprefix_tokens", 0)
     assert reused > 0
+    # The server's /metrics counts the same (every request so far on this server included).
+    text = blend_client.get("/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["ragkv_prompt_tokens_reused_nonprefix_total"] >= reused
+    for name in (
+        "prompt_tokens_reused_approximate_prefix",
+        "blend_fallbacks",
+        "blend_probe_fallbacks",
+        "blend_waits",
+    ):
+        assert samples[f"ragkv_{name}_total"] >= 0
 
 
 def test_malformed_opt_ins_are_refused_with_the_field(blend_client):

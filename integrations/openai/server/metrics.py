@@ -36,6 +36,28 @@ _COUNTERS = (
     ("ragkv_preemptions", "preemptions", "Requests preempted for lack of KV blocks."),
     ("ragkv_evictions", "evictions", "Cached KV blocks evicted for reuse."),
     ("ragkv_engine_steps", "steps", "Engine steps (model forward passes)."),
+    # Opt-in chunk reuse (``--reuse blend``): approximate, never part of the cached counts.
+    (
+        "ragkv_prompt_tokens_reused_nonprefix",
+        "prefill_tokens_reused_nonprefix",
+        "Prompt tokens whose KV came from a chunk computed at another position (approximate).",
+    ),
+    (
+        "ragkv_prompt_tokens_reused_approximate_prefix",
+        "prefill_tokens_reused_approximate_prefix",
+        "Prompt tokens reused from another request's blended prefix (approximate).",
+    ),
+    (
+        "ragkv_blend_fallbacks",
+        "blend_fallbacks",
+        "Chunk-reuse requests run exactly instead (too big for one step).",
+    ),
+    (
+        "ragkv_blend_probe_fallbacks",
+        "blend_probe_fallbacks",
+        "Deviation chunk-reuse requests run as first-k (their probe was too big).",
+    ),
+    ("ragkv_blend_waits", "blend_waits", "Chunk-reuse requests that waited for a chunk."),
 )
 
 
