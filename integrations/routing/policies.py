@@ -10,8 +10,10 @@ next (failover keeps the policy's order).
   least loaded, then round-robin), when that prefix is worth following: it must exceed
   what *every* candidate holds (a system prompt all replicas share says nothing) by at
   least ``match_threshold`` of the prompt's blocks. Otherwise the request is new to all of
-  them and is *spread*: least loaded, then the replica whose index holds least (most room;
-  SGLang's "smallest tree"), then round-robin. A session's previous replica wins when it
+  them and is *spread*: least loaded, then the replica that would hold least once it took
+  the request (its index size less the blocks it already holds of the prompt: most room,
+  SGLang's "smallest tree", and among equally full replicas the longer match, which costs
+  no balance), then round-robin. A session's previous replica wins when it
   holds a prefix that agrees (at least ``match_threshold`` of the prompt and half of the
   best match). When the chosen replica has more than ``balance_threshold`` requests in
   flight beyond the least loaded one, load wins: the ranking becomes the spread order.
@@ -75,7 +77,10 @@ def rank(
         return [c.position for c in by_load]
     if policy != "prefix":
         check_policy(policy)
-    spread = [c.position for c in sorted(candidates, key=lambda c: (c.load, c.size, rotation(c)))]
+    spread = [
+        c.position
+        for c in sorted(candidates, key=lambda c: (c.load, c.size - c.matched, rotation(c)))
+    ]
     by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))
     best = by_prefix[0]
     needed = max(match_threshold * total_blocks, 1)

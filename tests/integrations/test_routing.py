@@ -377,9 +377,27 @@ def test_a_prefix_shared_by_every_request_does_not_pull_new_documents():
     for d in range(3):
         out = ask(router, system + doc(d), 2)
         assert served_by(out) == first[d] and out.usage.cached_tokens == 7 * BS
-    # Below match_threshold (a quarter of the prompt) a longer match is no reason either.
-    assert rank("prefix", [Candidate(0, 0, 1), Candidate(1, 0, 0)], turn=1, num_replicas=2,
-                total_blocks=8)[0] == 1  # fmt: skip
+    # Below match_threshold (a quarter of the prompt) a longer match does not outweigh room:
+    # r0 holds 7 blocks, one of them the prompt's; r1 holds nothing.
+    assert rank("prefix", [Candidate(0, 0, 1, size=7), Candidate(1, 0, 0, size=0)], turn=0,
+                num_replicas=2, total_blocks=8)[0] == 1  # fmt: skip
+
+
+def test_a_spread_request_goes_where_it_matches_among_equally_loaded_and_full_replicas():
+    # Below match_threshold (at most 8 of 40 blocks past the common one): the request is spread:
+    # load first, then room after taking it (size - matched), so the match decides between
+    # two equally loaded, equally full replicas, whatever the rotation says; a busier
+    # replica is never chosen for it.
+    full = [
+        Candidate(0, 1, 1, size=100),
+        Candidate(1, 1, 4, size=100),
+        Candidate(2, 2, 9, size=100),
+    ]
+    for turn in range(3):
+        assert rank("prefix", full, turn=turn, num_replicas=3, total_blocks=40)[0] == 1
+    # The same match is no reason to fill an already fuller replica.
+    fuller = [Candidate(0, 1, 1, size=90), Candidate(1, 1, 4, size=100)]
+    assert rank("prefix", fuller, turn=1, num_replicas=2, total_blocks=40)[0] == 0
 
 
 def test_a_request_that_times_out_is_resent_once_and_marks_no_replica():
