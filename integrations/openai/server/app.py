@@ -42,7 +42,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised through server.cli
     raise MissingDependencyError("fastapi", "server") from exc
 
-from ragkv.assembler.template import chat_token_ids
 from ragkv.cache_engine import Engine
 from ragkv.cache_engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from ragkv.errors import (
@@ -62,6 +61,7 @@ from ragkv.integrations.openai.limits import (
 from ragkv.integrations.openai.protocol import GenerationRequest
 from ragkv.integrations.openai.server import auth
 from ragkv.integrations.openai.server.auth import Gate, host_names, tenant_keys
+from ragkv.integrations.openai.server.chat_prompt import chat_prompt, tokenize
 from ragkv.integrations.openai.server.errors import (
     ClientGone,
     add_error_handlers,
@@ -254,7 +254,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
         tenant, prompt = parsed.tenant or "", parsed.prompt  # _parse sets the tenant
         assert prompt is not None  # parse_completion sets it or refuses the body
         if isinstance(prompt, str):
-            prompt = await served.workers.run(tenant, _tokenize, served.engine, prompt)
+            prompt = await served.workers.run(tenant, tokenize, served.engine, prompt)
             check_prompt_tokens(len(prompt), served.limits, "prompt")
         return await generate(request, served, parsed, prompt, chat=False, extra=None)
 
@@ -263,7 +263,7 @@ def _add_routes(app: FastAPI, served: Served, vocab_size: int | None) -> None:
     async def chat_completions(request: Request) -> Response:
         parsed = await _parse(request, served, proto.parse_chat)
         token_ids, extra, reuse = await served.workers.run(
-            parsed.tenant or "", _chat_prompt, served, parsed
+            parsed.tenant or "", chat_prompt, served, parsed
         )
         culprit = "messages" if parsed.rag is None else "ragkv.chunks"
         check_prompt_tokens(len(token_ids), served.limits, culprit)
@@ -372,69 +372,6 @@ def _check_model(parsed: GenerationRequest, served: Served) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _tokenize(engine: Any, text: str) -> list[int]:
-    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _chat_prompt(
-    served: Served, parsed: GenerationRequest
-) -> tuple[list[int], dict | None, dict[str, Any]]:
-    """Token ids of a chat request: the chat template, or dedup + assembly for ``ragkv``;
-    plus the engine's chunk reuse arguments (the plan's chunk spans on a ``--reuse blend``
-    server, so exact answers record their chunks, and the request's opt-in)."""
-    if parsed.rag is not None and parsed.rag.reuse is not None and served.reuse is None:
-        raise APIError(
-            400,
-            "this server does not reuse chunks at another position; start it with "
-            "--reuse blend, or leave ragkv.reuse out",
-            param="ragkv.reuse",
-        )
-    if parsed.rag is None:
-        try:
-            ids = chat_token_ids(served.pipeline.assembler.tokenizer, parsed.messages)
-        except Exception as exc:  # jinja raises for messages the template refuses
-            raise APIError(
-                400, f"the chat template rejected messages: {exc}", param="messages"
-            ) from exc
-        return ids, None, {}
-    messages = parsed.messages
-    if messages[-1]["role"] != "user":
-        raise APIError(
-            400, "with ragkv chunks the last message must be the user's question", param="messages"
-        )
-    instructions = ("system", "developer")  # OpenAI's newer name for the system message
-    system = parsed.rag.system
-    if system is None:
-        system = "\n\n".join(m["content"] for m in messages if m["role"] in instructions)
-        system = system or None
-    history = [m for m in messages[:-1] if m["role"] not in instructions]
-    prepared = served.pipeline.prepare(
-        messages[-1]["content"],
-        parsed.rag.chunks,
-        system=system,
-        history=history,
-        cache_salt=parsed.cache_salt,
-        # Learned chunk order is the tenant's, whatever salts its clients pick: a client
-        # cycling salts cannot evict other tenants' state.
-        namespace=parsed.tenant,
-        # The prompt budget leaves room for this request's answer.
-        params=SamplingParams(max_tokens=parsed.max_tokens or served.default_max_tokens),
-    )
-    stats = prepared.dedup.stats
-    extra = {
-        "chunks_in": stats.chunks_in,
-        "chunks_out": stats.chunks_out,
-        "expected_cached_tokens": prepared.plan.expected_cached_tokens,
-    }
-    reuse: dict[str, Any] = {}
-    if prepared.plan.prompt_hashes is not None:  # the probe hashed it: not hashed again
-        reuse["prompt_hashes"] = prepared.plan.prompt_hashes
-    if served.reuse is not None:
-        reuse["chunk_spans"] = [(s.start, s.end) for s in prepared.plan.spans("chunk")]
-        reuse["reuse"] = parsed.rag.reuse
-    return list(prepared.plan.token_ids), extra, reuse
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

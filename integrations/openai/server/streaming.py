@@ -60,7 +60,7 @@ async def generate(
     now = asyncio.get_running_loop().time()
     deadline = (now if arrival is None else arrival) + served.request_timeout_s
     request_id = responses.new_request_id("chatcmpl" if chat else "cmpl")
-    # ``reuse``: chunk_spans / reuse for the engine (opt-in chunk reuse; see app._chat_prompt)
+    # ``reuse``: chunk_spans / reuse for the engine (opt-in chunk reuse; see chat_prompt.chat_prompt)
     tenant = parsed.tenant or ""
     served.admit(tenant)  # 429 past the tenant's (or the server's) share, before queueing
     stream = engine.astream(token_ids, params, cache_salt=parsed.cache_salt, **(reuse or {}))
