@@ -36,29 +36,17 @@ _COUNTERS = (
     ("ragkv_preemptions", "preemptions", "Requests preempted for lack of KV blocks."),
     ("ragkv_evictions", "evictions", "Cached KV blocks evicted for reuse."),
     ("ragkv_engine_steps", "steps", "Engine steps (model forward passes)."),
-    # Opt-in chunk reuse (``--reuse blend``): approximate, never part of the cached counts.
-    (
-        "ragkv_prompt_tokens_reused_nonprefix",
-        "prefill_tokens_reused_nonprefix",
-        "Prompt tokens whose KV came from a chunk computed at another position (approximate).",
-    ),
-    (
-        "ragkv_prompt_tokens_reused_approximate_prefix",
-        "prefill_tokens_reused_approximate_prefix",
-        "Prompt tokens reused from another request's blended prefix (approximate).",
-    ),
-    (
-        "ragkv_blend_fallbacks",
-        "blend_fallbacks",
-        "Chunk-reuse requests run exactly instead (too big for one step).",
-    ),
-    (
-        "ragkv_blend_probe_fallbacks",
-        "blend_probe_fallbacks",
-        "Deviation chunk-reuse requests run as first-k (their probe was too big).",
-    ),
-    ("ragkv_blend_waits", "blend_waits", "Chunk-reuse requests that waited for a chunk."),
 )
+
+# Opt-in chunk reuse (``--reuse blend``), approximate and never in the cached counts: EngineStats
+# field -> help; the metric is ``ragkv_`` + the field, its ``prefill_`` read as ``prompt_``.
+_REUSE_COUNTERS = {
+    "prefill_tokens_reused_nonprefix": "Prompt tokens from a chunk computed at another position.",
+    "prefill_tokens_reused_approximate_prefix": "Prompt tokens from another's blended prefix.",
+    "blend_fallbacks": "Chunk-reuse requests run exactly instead (too big for one step).",
+    "blend_probe_fallbacks": "Deviation chunk-reuse requests run as first-k (probe too big).",
+    "blend_waits": "Chunk-reuse requests that waited for a chunk being computed.",
+}
 
 
 class ServerMetrics:
@@ -93,6 +81,9 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Any]:
         stats = self.engine.stats()
         for name, attr, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, attr))
+        for attr, doc in _REUSE_COUNTERS.items():
+            name = "ragkv_" + attr.replace("prefill_", "prompt_")
             yield CounterMetricFamily(name, doc, value=getattr(stats, attr))
         yield _gauge(
             "ragkv_prefix_cache_hit_rate",
