@@ -91,3 +91,30 @@ def test_prefix_events_lane_routes_on_the_engines_events(tiny_model, tmp_path):
     assert {"events_vs_whole_pool", "events_imbalance", "events_prediction_error"} <= set(
         report["ratios"]["targets_met"]
     )
+
+
+def test_repeat_reports_each_runs_ratios_and_their_median_and_range(tiny_model, tmp_path, capsys):
+    order = ["d0", "d0", "d1", "d1", "d2", "d0"]
+    report = _run_trace(tiny_model, tmp_path, order, "--routing", "prefix-events",
+                        "--concurrency", "1", "--repeat", "2")  # fmt: skip
+    assert len(report["repeats"]) == 2
+    for run in report["repeats"]:
+        assert set(run["cached_tokens"]) == {"1x whole pool", "prefix-events x3"}
+        assert run["determinism_ok"]
+    # The table is the last run's, and so are the top-level ratios.
+    assert report["repeats"][-1]["ratios"] == report["ratios"]
+    spread = report["ratio_spread"]["events_vs_whole_pool"]
+    runs = [run["ratios"]["events_vs_whole_pool"] for run in report["repeats"]]
+    assert (spread["min"], spread["max"]) == (min(runs), max(runs))
+    assert spread["median"] == pytest.approx(sum(runs) / 2)
+    assert set(report["targets_met_median"]) == {
+        "events_vs_whole_pool",
+        "events_imbalance",
+        "events_prediction_error",
+    }
+    assert "over 2 runs" in capsys.readouterr().out
+
+
+def test_repeat_must_be_positive(tiny_model, capsys):
+    assert main(_cli(tiny_model, "--repeat", "0")) == 1
+    assert "--repeat" in capsys.readouterr().err
