@@ -277,10 +277,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.quick and args.full:
-        from ragkv.errors import ConfigError
+    from ragkv.errors import ConfigError
 
+    if args.quick and args.full:
         raise ConfigError("--quick and --full ask for different sizes; pick one")
+    if args.repeat < 1 or (args.repeat > 1 and not args.replicas):
+        raise ConfigError(f"--repeat N (>= 1) repeats the --replicas lanes; got {args.repeat}")
     if args.quick and args.max_tokens == BENCH_MAX_TOKENS:
         args.max_tokens = QUICK_MAX_TOKENS
     from ragkv.bench.report import format_table, plot
@@ -372,10 +374,7 @@ def _print_report(args: argparse.Namespace, report: dict[str, Any], table: Any) 
 
 def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
     from ragkv.bench.replicas import format_replica_table, repeat_summary, run_replica_bench
-    from ragkv.errors import ConfigError
 
-    if args.repeat < 1:
-        raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
     config = _bench_config(args)
     policies = [name.strip() for name in args.routing.split(",") if name.strip()]
     reports = [

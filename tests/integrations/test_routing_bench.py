@@ -115,6 +115,9 @@ def test_repeat_reports_each_runs_ratios_and_their_median_and_range(tiny_model, 
     assert "over 2 runs" in capsys.readouterr().out
 
 
-def test_repeat_must_be_positive(tiny_model, capsys):
+def test_repeat_must_be_positive_and_goes_with_replicas(tiny_model, capsys):
     assert main(_cli(tiny_model, "--repeat", "0")) == 1
     assert "--repeat" in capsys.readouterr().err
+    # Without --replicas nothing would repeat: refused, not silently run once.
+    assert main(["bench", "--model", tiny_model, "--repeat", "2"]) == 1
+    assert "--replicas" in capsys.readouterr().err
