@@ -300,12 +300,30 @@ async def _replay(
     pipeline: Any, requests: Sequence[RequestSpec], params: Any, concurrency: int, bar: Any
 ) -> list[Any]:
     turns: dict[str, list[dict[str, str]]] = defaultdict(list)
+    # Prompts are assembled one at a time in arrival (workload) order: the assembler learns
+    # its chunk order from the requests it has seen, and worker threads racing to assemble
+    # would make a lane's prompts depend on scheduling, so two lanes would not replay the
+    # same prompts. Generation still runs ``concurrency`` at once.
+    position = {id(spec): i for i, spec in enumerate(requests)}
+    assembled = [asyncio.Event() for _ in requests]
 
     async def one(spec: RequestSpec) -> Any:
-        history = spec.history if spec.history is not None else list(turns[spec.session_id])
-        answer = await pipeline.aanswer(
-            spec.question, spec.chunks, system=spec.system, history=history, params=params
-        )
+        i = position[id(spec)]
+        try:
+            if i:
+                await assembled[i - 1].wait()
+            history = spec.history if spec.history is not None else list(turns[spec.session_id])
+            prepared = await asyncio.to_thread(
+                pipeline.prepare,
+                spec.question,
+                spec.chunks,
+                system=spec.system,
+                history=history,
+                params=params,
+            )
+        finally:
+            assembled[i].set()
+        answer = await pipeline.agenerate_prepared(prepared, params)
         turns[spec.session_id] += [
             {"role": "user", "content": spec.question},
             {"role": "assistant", "content": answer.text},
