@@ -139,6 +139,7 @@ def served_lanes(
     *,
     replicas: int = 3,
     balance_threshold: int = 4,
+    max_load_ratio: float | None = None,
     api_key: str | None = None,
 ) -> tuple[dict[str, Any], list[LaneResult]]:
     """The whole-pool lane, ``prefix xN`` and ``prefix-events xN``, each on fresh servers
@@ -162,6 +163,7 @@ def served_lanes(
             timeout_s=600,  # 3 servers on 2 cores are slow; a timeout would fail over
             kv_events={s.url: s.kv_events for s in servers} if events else None,
             balance_threshold=balance_threshold,
+            max_load_ratio=max_load_ratio,
             index_blocks=[s.kv_cache_tokens // config.block_size for s in servers],
         )
         try:
@@ -184,6 +186,7 @@ def served_lanes(
             "kv_cache_tokens_per_replica": per_replica,
             "replicas": replicas,
             "balance_threshold": balance_threshold,
+            "max_load_ratio": max_load_ratio,
             "block_size": config.block_size,
             "max_tokens": config.max_tokens,
             "concurrency": config.concurrency,
@@ -389,6 +392,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--order", choices=("stable-first", "cache-aware"), default="cache-aware")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--balance-threshold", type=int, default=4)
+    p.add_argument("--max-load-ratio", type=float, help="bounded loads (e.g. 1.5)")
     p.add_argument("--torch-threads", type=int, default=1, help="per server (default 1)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per lane")
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
@@ -430,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start,
             replicas=args.replicas,
             balance_threshold=args.balance_threshold,
+            max_load_ratio=args.max_load_ratio,
             api_key=settings.api_key,
         )
     report["machine"].update(

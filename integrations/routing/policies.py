@@ -17,10 +17,15 @@ next (failover keeps the policy's order).
   holds a prefix that agrees (at least ``match_threshold`` of the prompt and half of the
   best match). When the chosen replica has more than ``balance_threshold`` requests in
   flight beyond the least loaded one, load wins: the ranking becomes the spread order.
+  With ``max_load_ratio`` set, that guard is relative instead ("consistent hashing with
+  bounded loads", Mirrokni et al. 2018): the chosen replica may hold at most
+  ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once it
+  takes this one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +62,7 @@ def rank(
     match_threshold: float = 0.25,
     total_blocks: int = 0,
     session_position: int | None = None,
+    max_load_ratio: float | None = None,
 ) -> list[int]:
     """Positions of ``candidates`` in the order the request should try them.
 
@@ -89,7 +95,11 @@ def rank(
         best = session
     elif best.matched - min(c.matched for c in candidates) < needed:
         return spread
-    if best.load - by_load[0].load > balance_threshold:
+    if max_load_ratio is not None:
+        in_flight = sum(c.load for c in candidates) + 1
+        if best.load + 1 > math.ceil(max_load_ratio * in_flight / len(candidates)):
+            return spread
+    elif best.load - by_load[0].load > balance_threshold:
         return spread
     return [best.position] + [c.position for c in by_prefix if c is not best]
 

@@ -56,6 +56,9 @@ class ReplicaRouter(ForwardingEngine):
     many more requests in flight than the least loaded replica the prefix choice may have;
     ``match_threshold``: the share of the prompt's blocks by which a replica's match must
     exceed every replica's before it is followed (below it, the request is spread by load).
+    ``max_load_ratio``: when set (>= 1), the guard is relative instead of
+    ``balance_threshold``: the chosen replica may have at most that multiple of the mean
+    requests in flight once it takes the request (bounded loads; see :mod:`.policies`).
     ``index_blocks``: the per-replica index bound in blocks (one int or one per replica;
     default: an in-process engine's pool, else ``DEFAULT_INDEX_BLOCKS``). ``backoff_s`` /
     ``max_backoff_s``: how long a failed replica is skipped (doubling per consecutive
@@ -79,6 +82,7 @@ class ReplicaRouter(ForwardingEngine):
         names: Sequence[str] | None = None,
         balance_threshold: int = 4,
         match_threshold: float = 0.25,
+        max_load_ratio: float | None = None,
         index_blocks: int | Sequence[int] | None = None,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
@@ -100,6 +104,7 @@ class ReplicaRouter(ForwardingEngine):
             balance_threshold,
             match_threshold,
             max_sessions,
+            max_load_ratio,
             max_attempts=len(replicas) if max_attempts is None else max_attempts,
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,

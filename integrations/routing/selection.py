@@ -130,6 +130,7 @@ class Selector:
                 match_threshold=settings.match_threshold,
                 total_blocks=len(route.hashes),
                 session_position=session,
+                max_load_ratio=settings.max_load_ratio,
             )
             if not order:
                 return None

@@ -19,6 +19,7 @@ class RouterSettings:
     balance_threshold: int
     match_threshold: float
     max_sessions: int
+    max_load_ratio: float | None
     # Failing over and probing back (:mod:`.dispatch`, :mod:`.health`):
     max_attempts: int
     backoff_s: float
@@ -30,6 +31,8 @@ class RouterSettings:
             raise ConfigError(f"match_threshold must be in [0, 1], got {self.match_threshold}")
         if self.balance_threshold < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ConfigError("need balance_threshold >= 0 and 0 <= backoff_s <= max_backoff_s")
+        if self.max_load_ratio is not None and not self.max_load_ratio >= 1:
+            raise ConfigError(f"max_load_ratio must be >= 1 (or None), got {self.max_load_ratio}")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         check_policy(self.policy)

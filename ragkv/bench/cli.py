@@ -160,6 +160,13 @@ def add_parser(subparsers: Any) -> None:
         help="prefix routing yields to least-loaded past this many extra requests in flight",
     )
     r.add_argument(
+        "--max-load-ratio",
+        type=float,
+        default=None,
+        help="bounded loads instead of --balance-threshold: the prefix choice may have at most "
+        "this multiple of the mean requests in flight (e.g. 1.5)",
+    )
+    r.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -378,7 +385,9 @@ def _run_replicas(args: argparse.Namespace, workload: Any) -> int:
     config = _bench_config(args)
     policies = [name.strip() for name in args.routing.split(",") if name.strip()]
     reports = [
-        run_replica_bench(workload, config, args.replicas, policies, args.balance_threshold)[0]
+        run_replica_bench(
+            workload, config, args.replicas, policies, args.balance_threshold, args.max_load_ratio
+        )[0]
         for _ in range(args.repeat)
     ]
     report = reports[0] if len(reports) == 1 else repeat_summary(reports)

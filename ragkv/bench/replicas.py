@@ -123,6 +123,7 @@ def run_replica_bench(
     replicas: int,
     policies: Sequence[str],
     balance_threshold: int = 4,
+    max_load_ratio: float | None = None,
 ) -> tuple[dict[str, Any], list[LaneResult]]:
     """The reference lane and one lane per policy; returns (report, results)."""
     from ragkv.cache_engine import Engine, EngineConfig
@@ -156,6 +157,7 @@ def run_replica_bench(
             engines,
             policy="prefix" if policy == EVENTS else policy,
             balance_threshold=balance_threshold,
+            max_load_ratio=max_load_ratio,
             names=[f"replica-{i}" for i in range(len(engines))],
             kv_events=policy == EVENTS,  # each engine's own events, in process
         )
@@ -171,6 +173,7 @@ def run_replica_bench(
             "kv_cache_tokens_per_replica": per_replica,
             "replicas": replicas,
             "balance_threshold": balance_threshold,
+            "max_load_ratio": max_load_ratio,
             "block_size": bs,
             "max_tokens": config.max_tokens,
             "concurrency": config.concurrency,

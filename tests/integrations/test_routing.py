@@ -15,7 +15,7 @@ import pytest
 
 from ragkv.cache_engine.block_hash import BlockHasher, digest_salt
 from ragkv.cache_engine.outputs import Output, StreamDelta, Timings, Usage
-from ragkv.errors import EngineClosedError, InvalidInputError, RemoteEngineError
+from ragkv.errors import ConfigError, EngineClosedError, InvalidInputError, RemoteEngineError
 from ragkv.integrations.routing import ReplicaRouter
 from ragkv.integrations.routing.policies import Candidate, rank
 from ragkv.integrations.routing.prefix_index import PrefixIndex
@@ -151,6 +151,34 @@ def test_balance_threshold_overrides_affinity():
     assert served_by(ask(router, doc(0), 2)) == home
     router._replicas[int(home[1])].stats.in_flight = 2
     assert served_by(ask(router, doc(0), 3)) == other
+
+
+def test_bounded_loads_keep_a_prefix_everyone_lacks_from_herding_onto_one_replica():
+    # Replica 0 alone holds a 16-block system prompt (the others never got it), with two
+    # requests in flight: the absolute guard (4) follows the match and piles on; bounded
+    # loads at 1.5x the mean (3 in flight with this one: a cap of 2) send it where it
+    # seeds a second copy.
+    cands = [Candidate(0, 2, 16, size=500), Candidate(1, 0, 0, size=30), Candidate(2, 0, 0)]
+    kw = dict(turn=0, num_replicas=3, total_blocks=50)
+    assert rank("prefix", cands, balance_threshold=4, **kw)[0] == 0
+    assert rank("prefix", cands, max_load_ratio=1.5, **kw)[0] == 2
+    # Within the cap the match is followed, whatever the absolute gap.
+    busy = [Candidate(0, 3, 16), Candidate(1, 2, 0), Candidate(2, 1, 0)]
+    assert rank("prefix", busy, balance_threshold=0, max_load_ratio=1.5, **kw)[0] == 0
+    assert rank("prefix", busy, balance_threshold=0, **kw)[0] == 2
+
+
+def test_max_load_ratio_is_checked_and_reaches_the_policy():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    with pytest.raises(ConfigError, match="max_load_ratio"):
+        ReplicaRouter(replicas, max_load_ratio=0.5)
+    router = ReplicaRouter(replicas, max_load_ratio=1.0, balance_threshold=100)
+    home = served_by(ask(router, doc(0), 1))
+    other = ({"r0", "r1"} - {home}).pop()
+    # One request in flight on the home replica: with this one, 2 in flight over 2 replicas
+    # caps each at 1, so the home replica (which would have 2) is passed over.
+    router._replicas[int(home[1])].stats.in_flight = 1
+    assert served_by(ask(router, doc(0), 2)) == other
 
 
 def test_a_session_follow_up_prefers_its_previous_replica():
