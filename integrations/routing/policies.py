@@ -17,10 +17,13 @@ next (failover keeps the policy's order).
   holds a prefix that agrees (at least ``match_threshold`` of the prompt and half of the
   best match). When the chosen replica has more than ``balance_threshold`` requests in
   flight beyond the least loaded one, load wins: the ranking becomes the spread order.
-  With ``max_load_ratio`` set, that guard is relative instead ("consistent hashing with
-  bounded loads", Mirrokni et al. 2018): the chosen replica may hold at most
-  ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once it
-  takes this one.
+  With ``max_load_ratio`` set, that guard is relative instead for a *short* match (less
+  than ``LONG_MATCH`` of the prompt beyond what every candidate holds), as consistent
+  hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica may hold at
+  most ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once
+  it takes this one. A short match (a system prompt one replica never got, a passage or
+  two) is cheap to compute again elsewhere, so it should not pile requests onto one
+  replica; a long one (a topic's passages) keeps the absolute guard.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from dataclasses import dataclass
 from ragkv.errors import ConfigError
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
+# A match of at least this share of the prompt's blocks (beyond what every candidate holds)
+# is long: ``max_load_ratio`` does not apply to it.
+LONG_MATCH = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +96,13 @@ def rank(
     by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))
     best = by_prefix[0]
     needed = max(match_threshold * total_blocks, 1)
+    floor = min(c.matched for c in candidates)
     session = next((c for c in candidates if c.position == session_position), None)
     if session is not None and session.matched >= needed and 2 * session.matched >= best.matched:
         best = session
-    elif best.matched - min(c.matched for c in candidates) < needed:
+    elif best.matched - floor < needed:
         return spread
-    if max_load_ratio is not None:
+    if max_load_ratio is not None and best.matched - floor < LONG_MATCH * total_blocks:
         in_flight = sum(c.load for c in candidates) + 1
         if best.load + 1 > math.ceil(max_load_ratio * in_flight / len(candidates)):
             return spread

@@ -56,9 +56,9 @@ class ReplicaRouter(ForwardingEngine):
     many more requests in flight than the least loaded replica the prefix choice may have;
     ``match_threshold``: the share of the prompt's blocks by which a replica's match must
     exceed every replica's before it is followed (below it, the request is spread by load).
-    ``max_load_ratio``: when set (>= 1), the guard is relative instead of
-    ``balance_threshold``: the chosen replica may have at most that multiple of the mean
-    requests in flight once it takes the request (bounded loads; see :mod:`.policies`).
+    ``max_load_ratio``: when set (>= 1), a request whose match is short (under half the
+    prompt) is guarded relatively instead: the chosen replica may have at most that multiple
+    of the mean requests in flight once it takes it (bounded loads; see :mod:`.policies`).
     ``index_blocks``: the per-replica index bound in blocks (one int or one per replica;
     default: an in-process engine's pool, else ``DEFAULT_INDEX_BLOCKS``). ``backoff_s`` /
     ``max_backoff_s``: how long a failed replica is skipped (doubling per consecutive

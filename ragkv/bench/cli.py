@@ -163,8 +163,9 @@ def add_parser(subparsers: Any) -> None:
         "--max-load-ratio",
         type=float,
         default=None,
-        help="bounded loads instead of --balance-threshold: the prefix choice may have at most "
-        "this multiple of the mean requests in flight (e.g. 1.5)",
+        help="bounded loads for short matches (under half the prompt) instead of "
+        "--balance-threshold: the prefix choice may have at most this multiple of the mean "
+        "requests in flight (e.g. 1.5)",
     )
     r.add_argument(
         "--repeat",

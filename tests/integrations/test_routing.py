@@ -153,7 +153,7 @@ def test_balance_threshold_overrides_affinity():
     assert served_by(ask(router, doc(0), 3)) == other
 
 
-def test_bounded_loads_keep_a_prefix_everyone_lacks_from_herding_onto_one_replica():
+def test_bounded_loads_keep_a_short_match_from_herding_onto_one_replica():
     # Replica 0 alone holds a 16-block system prompt (the others never got it), with two
     # requests in flight: the absolute guard (4) follows the match and piles on; bounded
     # loads at 1.5x the mean (3 in flight with this one: a cap of 2) send it where it
@@ -162,10 +162,20 @@ def test_bounded_loads_keep_a_prefix_everyone_lacks_from_herding_onto_one_replic
     kw = dict(turn=0, num_replicas=3, total_blocks=50)
     assert rank("prefix", cands, balance_threshold=4, **kw)[0] == 0
     assert rank("prefix", cands, max_load_ratio=1.5, **kw)[0] == 2
-    # Within the cap the match is followed, whatever the absolute gap.
+    # Within the cap a short match is followed, whatever the absolute gap.
     busy = [Candidate(0, 3, 16), Candidate(1, 2, 0), Candidate(2, 1, 0)]
     assert rank("prefix", busy, balance_threshold=0, max_load_ratio=1.5, **kw)[0] == 0
     assert rank("prefix", busy, balance_threshold=0, **kw)[0] == 2
+
+
+def test_a_long_match_keeps_the_absolute_guard_under_bounded_loads():
+    # Half the prompt or more beyond what all hold: worth the load, up to balance_threshold.
+    kw = dict(turn=0, num_replicas=3, total_blocks=50, max_load_ratio=1.5)
+    held = [Candidate(0, 2, 25), Candidate(1, 0, 0), Candidate(2, 0, 0)]
+    assert rank("prefix", held, balance_threshold=4, **kw)[0] == 0
+    assert rank("prefix", held, balance_threshold=1, **kw)[0] != 0
+    # 24 of 50 blocks is short: bounded loads spread it.
+    assert rank("prefix", [Candidate(0, 2, 24), *held[1:]], balance_threshold=4, **kw)[0] != 0
 
 
 def test_max_load_ratio_is_checked_and_reaches_the_policy():
@@ -173,12 +183,17 @@ def test_max_load_ratio_is_checked_and_reaches_the_policy():
     with pytest.raises(ConfigError, match="max_load_ratio"):
         ReplicaRouter(replicas, max_load_ratio=0.5)
     router = ReplicaRouter(replicas, max_load_ratio=1.0, balance_threshold=100)
-    home = served_by(ask(router, doc(0), 1))
+
+    def short(question: int) -> list[int]:  # 2 document blocks of 7: a short match
+        return doc(0, blocks=2) + [10_000 * question + i for i in range(5 * BS)]
+
+    home = served_by(router.generate(short(1)))
     other = ({"r0", "r1"} - {home}).pop()
+    assert served_by(router.generate(short(2))) == home
     # One request in flight on the home replica: with this one, 2 in flight over 2 replicas
     # caps each at 1, so the home replica (which would have 2) is passed over.
     router._replicas[int(home[1])].stats.in_flight = 1
-    assert served_by(ask(router, doc(0), 2)) == other
+    assert served_by(router.generate(short(3))) == other
 
 
 def test_a_session_follow_up_prefers_its_previous_replica():
