@@ -304,11 +304,10 @@ async def _replay(
     # its chunk order from the requests it has seen, and worker threads racing to assemble
     # would make a lane's prompts depend on scheduling, so two lanes would not replay the
     # same prompts. Generation still runs ``concurrency`` at once.
-    position = {id(spec): i for i, spec in enumerate(requests)}
     assembled = [asyncio.Event() for _ in requests]
 
-    async def one(spec: RequestSpec) -> Any:
-        i = position[id(spec)]
+    async def one(item: tuple[int, RequestSpec]) -> Any:
+        i, spec = item
         try:
             if i:
                 await assembled[i - 1].wait()
@@ -332,7 +331,8 @@ async def _replay(
             bar.update(1)
         return answer
 
-    return await _in_session_order(requests, lambda spec: spec.session_id, one, concurrency)
+    items = list(enumerate(requests))
+    return await _in_session_order(items, lambda item: item[1].session_id, one, concurrency)
 
 
 async def _in_session_order(
