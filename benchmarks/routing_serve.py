@@ -20,6 +20,8 @@ lane against the whole pool, its prediction error and imbalance (targets: >= 0.9
     python benchmarks/routing_trace.py --out /tmp/rt
     python benchmarks/routing_serve.py --workload trace --trace /tmp/rt.jsonl \\
         --lengths /tmp/rt.lengths.json --json /tmp/serve_trace.json
+    python benchmarks/routing_serve.py --workload ragpulse --trace-dir ../shared/data/ragpulse \\
+        --limit 100 --scale 0.25 --max-load-ratio 1.5
 """
 
 from __future__ import annotations
@@ -357,7 +359,10 @@ def bench_workload(args: argparse.Namespace) -> Workload:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     bench_args = parser.parse_args(["bench"])
-    for key in ("workload", "trace", "lengths", "requests", "topics", "seed", "model"):
+    for key in (
+        "workload", "trace", "lengths", "requests", "topics", "seed", "model",
+        "trace_dir", "days", "skip", "limit", "scale",
+    ):  # fmt: skip
         setattr(bench_args, key, getattr(args, key))
     workload = build_workload(bench_args)
     if args.limit is not None:
@@ -371,8 +376,14 @@ def bench_workload(args: argparse.Namespace) -> Workload:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=("synthetic", "production", "trace"), default="synthetic")
+    p.add_argument(
+        "--workload", choices=("synthetic", "production", "trace", "ragpulse"), default="synthetic"
+    )
     p.add_argument("--trace", help="JSONL trace (--workload trace)")
+    p.add_argument("--trace-dir", help="RAGPulse trace directory (--workload ragpulse)")
+    p.add_argument("--days", help="RAGPulse days to replay, 1-based: 2 or 1-3 (default: all)")
+    p.add_argument("--skip", type=int, default=0, help="RAGPulse requests to skip first")
+    p.add_argument("--scale", type=float, default=1.0, help="RAGPulse segment lengths x F")
     p.add_argument("--lengths", help="JSON {segment id: token length} (--workload trace)")
     p.add_argument("--requests", type=int, help="synthetic/production (ragkv bench's default)")
     p.add_argument("--topics", type=int, help="synthetic (ragkv bench's default)")

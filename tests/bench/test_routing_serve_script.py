@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from support import benchmark_script, serve_in_thread
@@ -142,3 +143,28 @@ def test_the_server_command_is_one_ragkv_serve_accepts(serve_script, tiny_bench,
     assert (
         build_parser().parse_args(no_events[no_events.index("serve") :]).kv_events_endpoint is None
     )
+
+
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "ragpulse"
+
+
+@pytest.mark.skipif(
+    not (SHARED / "0_trace.jsonl").is_file(), reason=f"the shared RAGPulse trace is not at {SHARED}"
+)
+def test_the_script_replays_a_ragpulse_slice_as_ragkv_bench_does(serve_script, tiny_model):
+    from transformers import AutoTokenizer
+
+    from ragkv.bench.ragpulse import ragpulse_workload
+
+    args = serve_script.parse_args(
+        ["--workload", "ragpulse", "--trace-dir", str(SHARED), "--skip", "5", "--limit", "3",
+         "--scale", "0.1", "--model", tiny_model]
+    )  # fmt: skip
+    got = serve_script.bench_workload(args).requests
+    want = ragpulse_workload(
+        SHARED, AutoTokenizer.from_pretrained(tiny_model), skip=5, limit=3, scale=0.1
+    ).requests
+    assert len(got) == 3
+    assert [(r.system, r.question, [c.text for c in r.chunks]) for r in got] == [
+        (r.system, r.question, [c.text for c in r.chunks]) for r in want
+    ]
