@@ -148,7 +148,7 @@ def served_lanes(
     from ``start``; returns ``(report, results)`` as ``ragkv bench --replicas`` does."""
     from ragkv.integrations.routing import ReplicaRouter
 
-    names = routing_lanes(["prefix", EVENTS], replicas)
+    names = routing_lanes(["prefix", EVENTS], replicas, max_load_ratio)
     whole, per_replica = pool_sizes(workload, config, replicas)
     tokenizer = str(model_path(config.model))
     model_name = [""]

@@ -52,6 +52,13 @@ class Candidate:
     size: int = 0
 
 
+def check_max_load_ratio(ratio: float | None) -> float | None:
+    """``ratio`` when it is None (off) or >= 1 (a replica may always take its mean share)."""
+    if ratio is not None and not ratio >= 1:
+        raise ConfigError(f"max_load_ratio must be >= 1 (or None), got {ratio}")
+    return ratio
+
+
 def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ConfigError(f"unknown routing policy {policy!r}; use one of {', '.join(POLICIES)}")
@@ -111,4 +118,4 @@ def rank(
     return [best.position] + [c.position for c in by_prefix if c is not best]
 
 
-__all__ = ["POLICIES", "Candidate", "check_policy", "rank"]
+__all__ = ["POLICIES", "Candidate", "check_max_load_ratio", "check_policy", "rank"]

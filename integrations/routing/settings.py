@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragkv.errors import ConfigError
-from ragkv.integrations.routing.policies import check_policy
+from ragkv.integrations.routing.policies import check_max_load_ratio, check_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +31,7 @@ class RouterSettings:
             raise ConfigError(f"match_threshold must be in [0, 1], got {self.match_threshold}")
         if self.balance_threshold < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ConfigError("need balance_threshold >= 0 and 0 <= backoff_s <= max_backoff_s")
-        if self.max_load_ratio is not None and not self.max_load_ratio >= 1:
-            raise ConfigError(f"max_load_ratio must be >= 1 (or None), got {self.max_load_ratio}")
+        check_max_load_ratio(self.max_load_ratio)
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         check_policy(self.policy)

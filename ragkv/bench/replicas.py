@@ -104,10 +104,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def routing_lanes(policies: Sequence[str], replicas: int) -> list[str]:
-    """Lane names: the whole-pool reference, then one per policy."""
+def routing_lanes(
+    policies: Sequence[str], replicas: int, max_load_ratio: float | None = None
+) -> list[str]:
+    """Lane names: the whole-pool reference, then one per policy (the settings checked
+    before any engine loads)."""
     from ragkv.integrations.routing import POLICIES
+    from ragkv.integrations.routing.policies import check_max_load_ratio
 
+    check_max_load_ratio(max_load_ratio)
     known = (*POLICIES, EVENTS)
     unknown = [p for p in policies if p not in known]
     if unknown or not policies:
@@ -129,7 +134,7 @@ def run_replica_bench(
     from ragkv.cache_engine import Engine, EngineConfig
     from ragkv.integrations.routing import ReplicaRouter
 
-    names = routing_lanes(policies, replicas)
+    names = routing_lanes(policies, replicas, max_load_ratio)
     path = model_path(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
     bs = config.block_size

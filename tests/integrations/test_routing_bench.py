@@ -121,3 +121,14 @@ def test_repeat_must_be_positive_and_goes_with_replicas(tiny_model, capsys):
     # Without --replicas nothing would repeat: refused, not silently run once.
     assert main(["bench", "--model", tiny_model, "--repeat", "2"]) == 1
     assert "--replicas" in capsys.readouterr().err
+
+
+def test_a_bad_max_load_ratio_is_refused_before_any_engine_loads(tiny_model, capsys, monkeypatch):
+    import ragkv.cache_engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the settings were checked")
+
+    monkeypatch.setattr(ragkv.cache_engine, "Engine", no_engine)
+    assert main(_cli(tiny_model, "--max-load-ratio", "0.5")) == 1
+    assert "max_load_ratio" in capsys.readouterr().err
