@@ -10,14 +10,20 @@ next (failover keeps the policy's order).
   least loaded, then round-robin), when that prefix is worth following: it must exceed
   what *every* candidate holds (a system prompt all replicas share says nothing) by at
   least ``match_threshold`` of the prompt's blocks. Otherwise the request is new to all of
-  them and is *spread*: least loaded, then the replica that would hold least once it took
-  the request (its index size less the blocks it already holds of the prompt: most room,
-  SGLang's "smallest tree", and among equally full replicas the longer match, which costs
-  no balance), then round-robin. A session's previous replica wins when it
-  holds a prefix that agrees (at least ``match_threshold`` of the prompt and half of the
-  best match). When the chosen replica has more than ``balance_threshold`` requests in
-  flight beyond the least loaded one, load wins: the ranking becomes the spread order.
-  With ``max_load_ratio`` set, that guard is relative instead for a *short* match (less
+  them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x the mean
+  of the requests routed lately (so new prefixes start where traffic is light, and a
+  replica that hot prefixes keep busy keeps its pool for them), then least loaded, then
+  the replica that would hold least once it took the request (its index size less the
+  blocks it already holds of the prompt: most room, SGLang's "smallest tree", and among
+  equally full replicas the longer match, which costs no balance), then round-robin. A
+  session's previous replica wins when it holds a prefix that agrees (at least
+  ``match_threshold`` of the prompt and half of the best match). When the chosen replica
+  has more than ``balance_threshold`` requests in flight beyond the least loaded one, load
+  wins: the ranking becomes the spread order. For a prompt the replica nearly holds
+  (``NEARLY_HELD`` of it beyond what every candidate holds) that guard is twice as wide:
+  computing it elsewhere would cost nearly the whole prefill and copy the prefix into a
+  second pool, evicting what that pool held, where waiting costs only queueing.
+  With ``max_load_ratio`` set, the guard is relative instead for a *short* match (less
   than ``LONG_MATCH`` of the prompt beyond what every candidate holds), as consistent
   hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica may hold at
   most ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once
@@ -38,18 +44,26 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 # A match of at least this share of the prompt's blocks (beyond what every candidate holds)
 # is long: ``max_load_ratio`` does not apply to it.
 LONG_MATCH = 0.5
+# A match of at least this share of the prompt's blocks (beyond what every candidate holds)
+# is nearly the whole prompt: the balance guard allows twice ``balance_threshold`` for it.
+NEARLY_HELD = 0.75
+# A spread request (one no replica holds enough of) avoids a replica whose share of recent
+# requests (``Candidate.recent``) exceeds this many times the candidates' mean.
+SHARE_CAP = 1.2
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One replica as a policy sees it: its position, requests in flight, matched blocks (a
-    medium-weighted count when the replica's KV events say where they are) and the size of
-    its index (blocks)."""
+    medium-weighted count when the replica's KV events say where they are), the size of
+    its index (blocks) and how many requests it was sent lately (``recent``, a decayed
+    count; only its ratio to the other candidates' matters)."""
 
     position: int
     load: int
     matched: float = 0
     size: int = 0
+    recent: float = 0.0
 
 
 def check_max_load_ratio(ratio: float | None) -> float | None:
@@ -96,9 +110,13 @@ def rank(
         return [c.position for c in by_load]
     if policy != "prefix":
         check_policy(policy)
+    share_cap = SHARE_CAP * sum(c.recent for c in candidates) / len(candidates)
     spread = [
         c.position
-        for c in sorted(candidates, key=lambda c: (c.load, c.size - c.matched, rotation(c)))
+        for c in sorted(
+            candidates,
+            key=lambda c: (c.recent > share_cap, c.load, c.size - c.matched, rotation(c)),
+        )
     ]
     by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))
     best = by_prefix[0]
@@ -113,9 +131,20 @@ def rank(
         in_flight = sum(c.load for c in candidates) + 1
         if best.load + 1 > math.ceil(max_load_ratio * in_flight / len(candidates)):
             return spread
-    elif best.load - by_load[0].load > balance_threshold:
-        return spread
+    else:
+        nearly_held = best.matched - floor >= NEARLY_HELD * total_blocks > 0
+        if best.load - by_load[0].load > balance_threshold * (2 if nearly_held else 1):
+            return spread
     return [best.position] + [c.position for c in by_prefix if c is not best]
 
 
-__all__ = ["POLICIES", "Candidate", "check_max_load_ratio", "check_policy", "rank"]
+__all__ = [
+    "LONG_MATCH",
+    "NEARLY_HELD",
+    "POLICIES",
+    "SHARE_CAP",
+    "Candidate",
+    "check_max_load_ratio",
+    "check_policy",
+    "rank",
+]

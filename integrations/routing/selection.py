@@ -40,6 +40,9 @@ MAX_SESSIONS = 10_000
 # once it answered, its events are at most a publish interval behind.
 EXPECT_S = 30.0
 SETTLE_S = 1.0
+# A replica's share of recent requests (the spread rule of :func:`.policies.rank`) is a
+# count that decays by 1/RECENT_REQUESTS per routed request: about the last 128 requests.
+RECENT_REQUESTS = 128
 
 _session: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "ragkv_router_session", default=None
@@ -85,6 +88,7 @@ class Selector:
         self.block_size = replicas[0].engine.block_size
         self.sessions: OrderedDict[tuple[bytes, str], int] = OrderedDict()
         self._turn = 0
+        self._recent = [0.0] * len(replicas)  # by position: requests sent lately, decayed
 
     def route(self, prompt: Prompt, cache_salt: str | None, session_id: str | None) -> Route:
         """The prompt's salted block hashes and session key (a 400 for an empty prompt)."""
@@ -118,7 +122,9 @@ class Selector:
                 if r.position in route.tried or not r.stats.healthy:
                     continue
                 _, score, size = _match(r, route.hashes, now)
-                candidates.append(Candidate(r.position, r.stats.in_flight, score, size))
+                candidates.append(
+                    Candidate(r.position, r.stats.in_flight, score, size, self._recent[r.position])
+                )
             session = self.sessions.get(route.session) if route.session else None
             settings = self.settings
             order = rank(
@@ -136,6 +142,9 @@ class Selector:
                 return None
             self._turn += 1
             replica = self.replicas[order[0]]
+            keep = 1 - 1 / RECENT_REQUESTS
+            self._recent = [n * keep for n in self._recent]
+            self._recent[replica.position] += 1
             route.tried.add(replica.position)
             route.predicted = min(_match(replica, route.hashes, now)[0], route.max_blocks)
             replica.stats.requests += 1

@@ -149,8 +149,57 @@ def test_balance_threshold_overrides_affinity():
     # other replica is within the threshold, two is past it.
     router._replicas[int(home[1])].stats.in_flight = 1
     assert served_by(ask(router, doc(0), 2)) == home
+    # The prompt is nearly all held there (6 of 6 blocks): the guard is twice as wide.
     router._replicas[int(home[1])].stats.in_flight = 2
-    assert served_by(ask(router, doc(0), 3)) == other
+    assert served_by(ask(router, doc(0), 3)) == home
+    router._replicas[int(home[1])].stats.in_flight = 3
+    assert served_by(ask(router, doc(0), 4)) == other
+
+
+def test_a_nearly_held_prompt_tolerates_twice_the_balance_threshold():
+    kw = dict(turn=0, num_replicas=3, total_blocks=50, balance_threshold=4)
+    idle = [Candidate(1, 0, 2), Candidate(2, 0, 2)]
+    # 40 of 50 blocks beyond what every replica holds (2): nearly held, worth 8 in flight.
+    assert rank("prefix", [Candidate(0, 6, 42), *idle], **kw)[0] == 0
+    assert rank("prefix", [Candidate(0, 8, 42), *idle], **kw)[0] == 0
+    assert rank("prefix", [Candidate(0, 9, 42), *idle], **kw)[0] != 0
+    # 35 of 50 beyond it is a long match but not nearly the prompt: the plain guard.
+    assert rank("prefix", [Candidate(0, 4, 37), *idle], **kw)[0] == 0
+    assert rank("prefix", [Candidate(0, 6, 37), *idle], **kw)[0] != 0
+
+
+def test_a_spread_request_avoids_a_replica_over_its_share_of_recent_requests():
+    # A short match (4 of 40 blocks) would pick replica 0 (the most room once it took the
+    # request); but replica 0 took 1.5x the mean of recent requests (over SHARE_CAP), so the
+    # request starts its prefix on a replica that hot prefixes do not keep busy.
+    kw = dict(turn=0, num_replicas=3, total_blocks=40)
+    busy = [Candidate(0, 0, 4, size=100, recent=15.0), Candidate(1, 0, 0, size=100, recent=8.0),
+            Candidate(2, 0, 0, size=100, recent=7.0)]  # fmt: skip
+    assert rank("prefix", busy, **kw)[0] == 1
+    # Within its share, the match decides again.
+    even = [Candidate(0, 0, 4, size=100, recent=10.0), *busy[1:]]
+    assert rank("prefix", even, **kw)[0] == 0
+    # Load still comes before the match among replicas within their share.
+    loaded = [Candidate(0, 0, 4, size=100, recent=10.0), Candidate(1, 1, 0, size=100, recent=8.0),
+              Candidate(2, 1, 0, size=100, recent=7.0)]  # fmt: skip
+    assert rank("prefix", loaded, **kw)[0] == 0
+    # A match worth following (30 of 40 blocks) ignores the share.
+    assert rank("prefix", [Candidate(0, 0, 30, recent=30.0), *busy[1:]], **kw)[0] == 0
+
+
+def test_new_documents_start_where_recent_traffic_is_light():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(3)]
+    router = ReplicaRouter(replicas)
+    big = {served_by(router.generate(doc(d, blocks=20) + [1])) for d in (1, 2)}
+    home = served_by(ask(router, doc(0), 1))
+    assert home not in big and len(big) == 2
+    for q in range(2, 8):  # a hot document: every request follows it home
+        assert served_by(ask(router, doc(0), q)) == home
+    # A new document that starts with the hot one's first block (1 of 7: a short match) is
+    # spread. Home holds 6 blocks, the others 20: by room alone it would go home, which
+    # took 7 of the 9 requests so far; it goes where traffic was light.
+    fresh = doc(0, blocks=1) + doc(9, blocks=6) + [1, 2, 3]
+    assert served_by(router.generate(fresh)) in big
 
 
 def test_bounded_loads_keep_a_short_match_from_herding_onto_one_replica():
@@ -207,8 +256,9 @@ def test_a_session_follow_up_prefers_its_previous_replica():
     with router.session("alice"):
         home = served_by(ask(router, doc(0), 2))
         assert {served_by(ask(router, doc(0), q)) for q in range(3, 9)} == {home}
-    # The same calls without the session alternate between the tied replicas.
-    assert len({served_by(ask(router, doc(0), q)) for q in range(9, 13)}) == 2
+    # The same calls without the session do not follow it: between the tied replicas they
+    # go to the one that took fewer requests lately (the session kept the other busy).
+    assert served_by(ask(router, doc(0), 9)) != home
     # A session whose prefix no longer agrees (another document) routes by prefix.
     other = served_by(ask(router, doc(5), 1))
     assert served_by(ask(router, doc(5), 2, session_id="alice")) == other
