@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from routing_serve import bench_workload  # noqa: E402
+from routing_serve import add_workload_args, bench_workload  # noqa: E402
 
 from ragkv.bench.cli import bench_tokenizer  # noqa: E402
 from ragkv.bench.lanes import lane_specs, run_lane  # noqa: E402
@@ -173,19 +173,7 @@ def reach(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--workload", choices=("synthetic", "production", "trace", "ragpulse"), default="synthetic"
-    )
-    p.add_argument("--trace", help="JSONL trace (--workload trace)")
-    p.add_argument("--lengths", help="JSON {segment id: token length} (--workload trace)")
-    p.add_argument("--trace-dir", help="RAGPulse trace directory (--workload ragpulse)")
-    p.add_argument("--days", help="RAGPulse days, 1-based: 2 or 1-3 (default: all)")
-    p.add_argument("--skip", type=int, default=0, help="RAGPulse requests to skip first")
-    p.add_argument("--scale", type=float, default=1.0, help="RAGPulse segment lengths x F")
-    p.add_argument("--requests", type=int, help="synthetic/production (ragkv bench's default)")
-    p.add_argument("--topics", type=int, help="synthetic (ragkv bench's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, help="only the first N requests")
+    add_workload_args(p)
     p.add_argument("--model", help="tokenizer (default: the embedded model's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, help="the whole pool (default: as ragkv bench)")

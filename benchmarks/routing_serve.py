@@ -374,8 +374,8 @@ def bench_workload(args: argparse.Namespace) -> Workload:
     return workload
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`bench_workload` reads (``--model`` aside)."""
     p.add_argument(
         "--workload", choices=("synthetic", "production", "trace", "ragpulse"), default="synthetic"
     )
@@ -389,6 +389,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--topics", type=int, help="synthetic (ragkv bench's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="replay only the first N requests")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
     add_engine_flags(
         p,
         ENGINE_FLAGS,
