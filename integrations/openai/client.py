@@ -45,6 +45,11 @@ from ragkv.integrations.openai.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Idle pooled connections are dropped after this long: below the 5 s after which uvicorn
+# (ragkv serve, vLLM, SGLang) closes an idle keep-alive connection. At httpx's default (also
+# 5 s) a request can go out on a connection the server is closing that instant; it fails
+# with a ReadError after it was sent, which nobody can safely resend.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class RemoteEngine(ForwardingEngine):
@@ -97,11 +102,15 @@ class RemoteEngine(ForwardingEngine):
         self._model = model
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = httpx.Timeout(timeout_s)
+        self._limits = httpx.Limits(  # httpx's default pool sizes, a shorter idle expiry
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        )
         self._transport = transport
         self._client = httpx.Client(
             base_url=self.base_url,
             headers=self._headers,
             timeout=self._timeout,
+            limits=self._limits,
             # The ignores here and in _async_client: typing cannot say "both kinds of
             # transport" (no intersection types); each client gets the one object.
             transport=transport,  # type: ignore[arg-type]
@@ -367,6 +376,7 @@ class RemoteEngine(ForwardingEngine):
                 base_url=self.base_url,
                 headers=self._headers,
                 timeout=self._timeout,
+                limits=self._limits,
                 transport=self._transport,  # type: ignore[arg-type]
             )
             self._aclient_loop = loop

@@ -370,3 +370,14 @@ def test_ragkvs_approximate_reuse_fields_reach_the_remote_output(
     assert out.usage.reused_nonprefix_tokens == nonprefix
     assert out.usage.reused_approximate_prefix_tokens == approx_prefix
     assert out.approximate is approximate
+
+
+def test_idle_connections_are_dropped_before_a_uvicorn_server_closes_them():
+    # Both at 5 s, a request can go out on a connection the server is closing: a ReadError
+    # after sending, which the router cannot safely resend (seen end to end over ragkv serve).
+    uvicorn = pytest.importorskip("uvicorn")
+
+    with RemoteEngine("http://127.0.0.1:9/v1", tokenizer="embedded") as engine:
+        server_keep_alive = uvicorn.Config(app=None).timeout_keep_alive
+        assert engine._limits.keepalive_expiry < server_keep_alive
+        assert engine._limits.max_connections == 100  # httpx's default pool is kept
