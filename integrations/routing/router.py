@@ -53,9 +53,10 @@ class ReplicaRouter(ForwardingEngine):
     block size (one :class:`~ragkv.integrations.openai.RemoteEngine` per server, built by
     :meth:`from_urls`, or in-process engines). ``policy``: ``prefix`` (default),
     ``least-loaded`` or ``round-robin`` (see :mod:`.policies`). ``balance_threshold``: how
-    many more requests in flight than the least loaded replica the prefix choice may have;
-    ``match_threshold``: the share of the prompt's blocks by which a replica's match must
-    exceed every replica's before it is followed (below it, the request is spread by load).
+    many more requests in flight than the least loaded replica the prefix choice may have
+    (twice as many for a prompt it nearly holds); ``match_threshold``: the share of the
+    prompt's blocks by which a replica's match must exceed every replica's before it is
+    followed (below it, the request is spread: by share of recent requests, then load).
     ``max_load_ratio``: when set (>= 1), a request whose match is short (under half the
     prompt) is guarded relatively instead: the chosen replica may have at most that multiple
     of the mean requests in flight once it takes it (bounded loads; see :mod:`.policies`).
