@@ -67,9 +67,10 @@ class Candidate:
 
 
 def check_max_load_ratio(ratio: float | None) -> float | None:
-    """``ratio`` when it is None (off) or >= 1 (a replica may always take its mean share)."""
-    if ratio is not None and not ratio >= 1:
-        raise ConfigError(f"max_load_ratio must be >= 1 (or None), got {ratio}")
+    """``ratio`` when it is None (off) or a finite number >= 1 (a replica may always take
+    its mean share; infinity would be no bound, and the guard could not compute it)."""
+    if ratio is not None and not (math.isfinite(ratio) and ratio >= 1):
+        raise ConfigError(f"max_load_ratio must be a finite number >= 1 (or None), got {ratio}")
     return ratio
 
 
