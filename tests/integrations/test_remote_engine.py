@@ -381,3 +381,10 @@ def test_idle_connections_are_dropped_before_a_uvicorn_server_closes_them():
         server_keep_alive = uvicorn.Config(app=None).timeout_keep_alive
         assert engine._limits.keepalive_expiry < server_keep_alive
         assert engine._limits.max_connections == 100  # httpx's default pool is kept
+
+        # ...and both clients' pools use it (httpcore's pool keeps it privately).
+        async def async_expiry() -> float:
+            return engine._async_client()._transport._pool._keepalive_expiry
+
+        assert engine._client._transport._pool._keepalive_expiry == engine._limits.keepalive_expiry
+        assert asyncio.run(async_expiry()) == engine._limits.keepalive_expiry
