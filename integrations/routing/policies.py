@@ -9,8 +9,14 @@ next (failover keeps the policy's order).
 - ``prefix`` (default): the replica believed to hold the longest prefix of the prompt (ties:
   least loaded, then round-robin), when that prefix is worth following: it must exceed
   what *every* candidate holds (a system prompt all replicas share says nothing) by at
-  least ``match_threshold`` of the prompt's blocks. Otherwise the request is new to all of
-  them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x the mean
+  least ``match_threshold`` (1/8) of the prompt's blocks. A *short* match (less than
+  ``LONG_MATCH`` of the prompt beyond what every candidate holds: a system prompt or a
+  document's head that one replica has and the others lack) is not followed to a replica
+  that took more than ``FOLLOW_SHARE_CAP`` x the mean of the requests routed lately
+  (a session's replica is exempt): following it there would herd every request that
+  starts that way onto one replica, while computing it once elsewhere is cheap and leaves
+  a second copy. Otherwise the
+  request is new to all of them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x the mean
   of the requests routed lately (so new prefixes start where traffic is light, and a
   replica that hot prefixes keep busy keeps its pool for them), then least loaded, then
   the replica that would hold least once it took the request (its index size less the
@@ -50,6 +56,9 @@ NEARLY_HELD = 0.75
 # A spread request (one no replica holds enough of) avoids a replica whose share of recent
 # requests (``Candidate.recent``) exceeds this many times the candidates' mean.
 SHARE_CAP = 1.2
+# A short match is not followed to a replica whose share of recent requests exceeds this
+# many times the candidates' mean (under the 1.5 imbalance the benchmarks hold to).
+FOLLOW_SHARE_CAP = 1.4
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +96,7 @@ def rank(
     turn: int,
     num_replicas: int,
     balance_threshold: int = 4,
-    match_threshold: float = 0.25,
+    match_threshold: float = 0.125,
     total_blocks: int = 0,
     session_position: int | None = None,
     max_load_ratio: float | None = None,
@@ -111,7 +120,8 @@ def rank(
         return [c.position for c in by_load]
     if policy != "prefix":
         check_policy(policy)
-    share_cap = SHARE_CAP * sum(c.recent for c in candidates) / len(candidates)
+    mean_recent = sum(c.recent for c in candidates) / len(candidates)
+    share_cap = SHARE_CAP * mean_recent
     spread = [
         c.position
         for c in sorted(
@@ -126,9 +136,13 @@ def rank(
     session = next((c for c in candidates if c.position == session_position), None)
     if session is not None and session.matched >= needed and 2 * session.matched >= best.matched:
         best = session
-    elif best.matched - floor < needed:
-        return spread
-    if max_load_ratio is not None and best.matched - floor < LONG_MATCH * total_blocks:
+    else:
+        short = best.matched - floor < LONG_MATCH * total_blocks
+        herding = short and best.recent > FOLLOW_SHARE_CAP * mean_recent
+        if best.matched - floor < needed or herding:
+            return spread
+    short = best.matched - floor < LONG_MATCH * total_blocks
+    if max_load_ratio is not None and short:
         in_flight = sum(c.load for c in candidates) + 1
         if best.load + 1 > math.ceil(max_load_ratio * in_flight / len(candidates)):
             return spread
@@ -140,6 +154,7 @@ def rank(
 
 
 __all__ = [
+    "FOLLOW_SHARE_CAP",
     "LONG_MATCH",
     "NEARLY_HELD",
     "POLICIES",

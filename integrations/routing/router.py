@@ -56,7 +56,9 @@ class ReplicaRouter(ForwardingEngine):
     many more requests in flight than the least loaded replica the prefix choice may have
     (twice as many for a prompt it nearly holds); ``match_threshold``: the share of the
     prompt's blocks by which a replica's match must exceed every replica's before it is
-    followed (below it, the request is spread: by share of recent requests, then load).
+    followed (below it, the request is spread: by share of recent requests, then load); a
+    match under half the prompt is not followed to a replica over 1.4x its share of recent
+    requests either (``FOLLOW_SHARE_CAP``).
     ``max_load_ratio``: when set (>= 1), a request whose match is short (under half the
     prompt) is guarded relatively instead: the chosen replica may have at most that multiple
     of the mean requests in flight once it takes it (bounded loads; see :mod:`.policies`).
@@ -82,7 +84,7 @@ class ReplicaRouter(ForwardingEngine):
         policy: str = "prefix",
         names: Sequence[str] | None = None,
         balance_threshold: int = 4,
-        match_threshold: float = 0.25,
+        match_threshold: float = 0.125,
         max_load_ratio: float | None = None,
         index_blocks: int | Sequence[int] | None = None,
         backoff_s: float = 1.0,

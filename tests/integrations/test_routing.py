@@ -186,6 +186,21 @@ def test_a_spread_request_avoids_a_replica_over_its_share_of_recent_requests():
     assert rank("prefix", [Candidate(0, 0, 30, recent=30.0), *busy[1:]], **kw)[0] == 0
 
 
+def test_a_short_match_is_not_followed_to_a_replica_over_its_share_of_recent_requests():
+    # Replica 0 alone holds 12 blocks of a 40-block prompt (a system prompt the others never
+    # got: past the 1/8 threshold, under half the prompt). It is followed while replica 0
+    # took at most 1.4x the mean of recent requests; past that the request is spread, and
+    # seeds a second copy instead of herding every such request onto replica 0.
+    kw = dict(turn=0, num_replicas=3, total_blocks=40)
+    others = [Candidate(1, 0, 0, recent=8.0), Candidate(2, 0, 0, recent=8.0)]
+    assert rank("prefix", [Candidate(0, 0, 12, recent=12.0), *others], **kw)[0] == 0
+    assert rank("prefix", [Candidate(0, 0, 12, recent=16.0), *others], **kw)[0] != 0
+    # A long match (half the prompt) is worth the share; a session keeps its replica.
+    assert rank("prefix", [Candidate(0, 0, 20, recent=16.0), *others], **kw)[0] == 0
+    hot = [Candidate(0, 0, 12, recent=16.0), *others]
+    assert rank("prefix", hot, session_position=0, **kw)[0] == 0
+
+
 def test_new_documents_start_where_recent_traffic_is_light():
     replicas = [ScriptedReplica(f"r{i}") for i in range(3)]
     router = ReplicaRouter(replicas)
@@ -238,6 +253,9 @@ def test_max_load_ratio_is_checked_and_reaches_the_policy():
 
     home = served_by(router.generate(short(1)))
     other = ({"r0", "r1"} - {home}).pop()
+    # An unrelated document evens the replicas' shares of recent requests (else the home
+    # replica, with all of them, would be over FOLLOW_SHARE_CAP for a short match).
+    assert served_by(router.generate(doc(5, blocks=7))) == other
     assert served_by(router.generate(short(2))) == home
     # One request in flight on the home replica: with this one, 2 in flight over 2 replicas
     # caps each at 1, so the home replica (which would have 2) is passed over.
@@ -470,21 +488,21 @@ def test_a_prefix_shared_by_every_request_does_not_pull_new_documents():
     for d in range(3):
         out = ask(router, system + doc(d), 2)
         assert served_by(out) == first[d] and out.usage.cached_tokens == 7 * BS
-    # Below match_threshold (a quarter of the prompt) a longer match does not outweigh room:
+    # Below match_threshold (an eighth of the prompt) a longer match does not outweigh room:
     # r0 holds 7 blocks, one of them the prompt's; r1 holds nothing.
     assert rank("prefix", [Candidate(0, 0, 1, size=7), Candidate(1, 0, 0, size=0)], turn=0,
-                num_replicas=2, total_blocks=8)[0] == 1  # fmt: skip
+                num_replicas=2, total_blocks=10)[0] == 1  # fmt: skip
 
 
 def test_a_spread_request_goes_where_it_matches_among_equally_loaded_and_full_replicas():
-    # Below match_threshold (at most 8 of 40 blocks past the common one): the request is spread:
+    # Below match_threshold (at most 4 of 40 blocks past the common one): the request is spread:
     # load first, then room after taking it (size - matched), so the match decides between
     # two equally loaded, equally full replicas, whatever the rotation says; a busier
     # replica is never chosen for it.
     full = [
         Candidate(0, 1, 1, size=100),
         Candidate(1, 1, 4, size=100),
-        Candidate(2, 2, 9, size=100),
+        Candidate(2, 2, 5, size=100),
     ]
     for turn in range(3):
         assert rank("prefix", full, turn=turn, num_replicas=3, total_blocks=40)[0] == 1
