@@ -9,33 +9,30 @@ next (failover keeps the policy's order).
 - ``prefix`` (default): the replica believed to hold the longest prefix of the prompt (ties:
   least loaded, then round-robin), when that prefix is worth following: it must exceed
   what *every* candidate holds (a system prompt all replicas share says nothing) by at
-  least ``match_threshold`` (1/8) of the prompt's blocks. A *short* match (less than
-  ``LONG_MATCH`` of the prompt beyond what every candidate holds: a system prompt or a
-  document's head that one replica has and the others lack) is not followed to a replica
-  that took more than ``FOLLOW_SHARE_CAP`` x the mean of the requests routed lately
-  (a session's replica is exempt): following it there would herd every request that
-  starts that way onto one replica, while computing it once elsewhere is cheap and leaves
-  a second copy. Otherwise the
-  request is new to all of them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x the mean
-  of the requests routed lately (so new prefixes start where traffic is light, and a
-  replica that hot prefixes keep busy keeps its pool for them), then least loaded, then
-  the replica that would hold least once it took the request (its index size less the
-  blocks it already holds of the prompt: most room, SGLang's "smallest tree", and among
-  equally full replicas the longer match, which costs no balance), then round-robin. A
-  session's previous replica wins when it holds a prefix that agrees (at least
+  least ``match_threshold`` (1/8) of the prompt's blocks. A request below that is new to
+  all of them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x
+  the mean of the requests routed lately (so new prefixes start where traffic is light,
+  and a replica that hot prefixes keep busy keeps its pool for them), then least loaded,
+  then the replica that would hold least once it took the request (its index size less
+  the blocks it already holds of the prompt: most room, SGLang's "smallest tree", and
+  among equally full replicas the longer match, which costs no balance), then
+  round-robin. A *short* match (less than ``LONG_MATCH`` of the prompt beyond what every
+  candidate holds: a system prompt or a document's head that one replica has and the
+  others lack) is spread too when its replica took more than ``FOLLOW_SHARE_CAP`` x that
+  mean: following it would herd every request that starts that way onto one replica,
+  while computing it once elsewhere is cheap and leaves a second copy. A session's
+  previous replica wins (share or not) when it holds a prefix that agrees (at least
   ``match_threshold`` of the prompt and half of the best match). When the chosen replica
   has more than ``balance_threshold`` requests in flight beyond the least loaded one, load
   wins: the ranking becomes the spread order. For a prompt the replica nearly holds
   (``NEARLY_HELD`` of it beyond what every candidate holds) that guard is twice as wide:
   computing it elsewhere would cost nearly the whole prefill and copy the prefix into a
   second pool, evicting what that pool held, where waiting costs only queueing.
-  With ``max_load_ratio`` set, the guard is relative instead for a *short* match (less
-  than ``LONG_MATCH`` of the prompt beyond what every candidate holds), as consistent
-  hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica may hold at
-  most ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once
-  it takes this one. A short match (a system prompt one replica never got, a passage or
-  two) is cheap to compute again elsewhere, so it should not pile requests onto one
-  replica; a long one (a topic's passages) keeps the absolute guard.
+  With ``max_load_ratio`` set, the guard is relative instead for a short match, as
+  consistent hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica
+  may hold at most ``ceil(max_load_ratio x`` the mean in flight, this request counted)
+  requests once it takes this one; a long match (a topic's passages) keeps the absolute
+  guard.
 """
 
 from __future__ import annotations
@@ -133,16 +130,18 @@ def rank(
     best = by_prefix[0]
     needed = max(match_threshold * total_blocks, 1)
     floor = min(c.matched for c in candidates)
+
+    def short(c: Candidate) -> bool:  # under LONG_MATCH of the prompt beyond the floor
+        return c.matched - floor < LONG_MATCH * total_blocks
+
     session = next((c for c in candidates if c.position == session_position), None)
     if session is not None and session.matched >= needed and 2 * session.matched >= best.matched:
         best = session
-    else:
-        short = best.matched - floor < LONG_MATCH * total_blocks
-        herding = short and best.recent > FOLLOW_SHARE_CAP * mean_recent
-        if best.matched - floor < needed or herding:
-            return spread
-    short = best.matched - floor < LONG_MATCH * total_blocks
-    if max_load_ratio is not None and short:
+    elif best.matched - floor < needed or (
+        short(best) and best.recent > FOLLOW_SHARE_CAP * mean_recent
+    ):
+        return spread
+    if max_load_ratio is not None and short(best):
         in_flight = sum(c.load for c in candidates) + 1
         if best.load + 1 > math.ceil(max_load_ratio * in_flight / len(candidates)):
             return spread
