@@ -118,10 +118,11 @@ class Selector:
         now = time.monotonic()
         with self.lock:
             candidates = []
+            held: dict[int, int] = {}  # by position: leading blocks held (the prediction)
             for r in self.replicas:
                 if r.position in route.tried or not r.stats.healthy:
                     continue
-                _, score, size = _match(r, route.hashes, now)
+                held[r.position], score, size = _match(r, route.hashes, now)
                 candidates.append(
                     Candidate(r.position, r.stats.in_flight, score, size, self._recent[r.position])
                 )
@@ -146,7 +147,7 @@ class Selector:
             self._recent = [n * keep for n in self._recent]
             self._recent[replica.position] += 1
             route.tried.add(replica.position)
-            route.predicted = min(_match(replica, route.hashes, now)[0], route.max_blocks)
+            route.predicted = min(held[replica.position], route.max_blocks)
             replica.stats.requests += 1
             replica.stats.in_flight += 1
             replica.index.insert(route.hashes, confirmed=False)
