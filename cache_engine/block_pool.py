@@ -10,7 +10,8 @@ records (``recorded=True``: a chunk reusable at any position outlives blocks onl
 prefix could reuse), last those a queued request will reuse (its cached prefix when it
 arrived: requests scheduled ahead of it take other blocks first, and the prefix it was
 routed or assembled to reuse is still there when it is admitted). A demand is not a
-reference: it never keeps a block from being handed out when nothing else is free.
+reference: ``allocate`` hands a demanded block out when nothing else is free; only the
+scheduler may choose to wait instead (``KVCacheManager.allocate_slots(spare_demanded=)``).
 
 A free block keeps its hash and stays findable until it is popped for reuse (lazy
 eviction). There is no reserved null block: every id in ``range(num_blocks)`` holds KV.
@@ -67,6 +68,13 @@ class BlockPool:
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` are unreferenced (touching them shrinks the free queue)."""
         return list(map(self.ref_counts.__getitem__, block_ids)).count(0)
+
+    def num_spare_blocks(self, touching: Sequence[int] = ()) -> int:
+        """Free blocks no queued request demands, less those of ``touching`` among them (a
+        request about to reference ``touching`` takes them out of the free queues)."""
+        refs, demand = self.ref_counts, self.demand
+        taken = sum(1 for b in touching if not refs[b] and not demand[b])
+        return len(self._free) + len(self._recorded) - taken
 
     def find_prefix(self, hashes: Sequence[bytes], inputs: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of ``hashes`` whose stored input matches.

@@ -245,12 +245,18 @@ class KVCacheManager:
         stats.hit_blocks += num_hit_blocks
 
     def allocate_slots(
-        self, request: CacheRequest, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        *,
+        spare_demanded: bool = False,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; return the newly allocated block ids.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first call only) are touched.
-        Returns None, changing nothing, when the pool cannot hold the tokens.
+        Returns None, changing nothing, when the pool cannot hold the tokens, or, with
+        ``spare_demanded``, when it cannot hold them without blocks queued requests demand.
         """
         state = self._state(request)
         computed = computed_blocks if computed_blocks and not state.block_ids else []
@@ -261,6 +267,8 @@ class KVCacheManager:
         )
         # Touching free computed blocks takes them out of the queue allocate pops from.
         if num_new_blocks + self.pool.num_free_among(computed) > self.pool.num_free_blocks:
+            return None
+        if spare_demanded and num_new_blocks > self.pool.num_spare_blocks(computed):
             return None
         if computed:
             self.pool.touch(computed)

@@ -16,7 +16,11 @@ round-robin across salts, each salt's own requests in arrival order, so one tena
 cannot hold another tenant's requests behind it. When the request at the head does not fit
 the pool, at most ``MAX_SKIP_AHEAD`` requests behind it that do fit are admitted past it in
 a step; a request is passed at most ``MAX_TIMES_SKIPPED`` times in all, then it waits at the
-head until it fits (bounded: a large request is delayed, never starved).
+head until it fits (bounded: a large request is delayed, never starved). While requests run
+(their blocks will come free), a head that may be passed does not take the free blocks a
+queued request demands (its cached prefix, :meth:`KVCacheManager.note_demand`): it is
+passed, so the request behind it is admitted onto the prefix it was routed to reuse instead
+of recomputing it after the head evicted it.
 
 K/V that does not come from the pool's prefix cache (the KV tiers, chunk reuse) comes from
 the KV sources handed to the scheduler (:mod:`~ragkv.cache_engine.kv_source`): each is asked
@@ -198,8 +202,16 @@ class Scheduler:
                 matches = self._match_sources(request, num_computed)
                 if matches is None:  # gone to wait for K/V
                     continue
-                offered = bool(matches)
-                admitted = self._allocate(request, blocks, num_computed, matches, budget)
+                # A head that may be passed does not take the blocks queued requests will
+                # reuse while running ones will free others: the requests behind go first.
+                passable = (
+                    not matches
+                    and len(passed) < MAX_SKIP_AHEAD
+                    and request.num_skipped < MAX_TIMES_SKIPPED
+                    and len(self.waiting) > 1
+                )
+                spare = passable and bool(self.running)
+                admitted = self._allocate(request, blocks, num_computed, matches, budget, spare)
                 if admitted is not None:
                     table = self.kv.block_table(request)
                     used = {id(source): match for source, match in matches}
@@ -209,12 +221,7 @@ class Scheduler:
                 self._fail(request, exc, out)
                 continue
             if admitted is None:
-                if (
-                    not offered
-                    and len(passed) < MAX_SKIP_AHEAD
-                    and request.num_skipped < MAX_TIMES_SKIPPED
-                    and len(self.waiting) > 1
-                ):
+                if passable:
                     request.num_skipped += 1  # a smaller one behind it may fit: look past it
                     passed.append(self.waiting.popleft())
                     continue
@@ -268,10 +275,12 @@ class Scheduler:
         num_computed: int,
         matches: list[tuple[KVSource, KVMatch]],
         budget: int,
+        spare: bool = False,
     ) -> tuple[int, list[int] | None] | None:
         """Allocate the request's blocks: ``(tokens computed this step, explicit positions or
-        None)``, or None when they do not fit (nothing changed). A match with positions
-        that cannot be placed is dropped from ``matches`` for the exact path."""
+        None)``, or None when they do not fit (nothing changed; with ``spare``, also when
+        they fit only in blocks queued requests demand). A match with positions that cannot
+        be placed is dropped from ``matches`` for the exact path."""
         kv = self.kv
         last = matches[-1][1] if matches else None
         if last is not None and last.positions is not None:
@@ -295,7 +304,7 @@ class Scheduler:
         limit = next((m for _, m in matches if m.cache_until is not None), None)
         if limit is not None:
             kv.limit_caching(request, limit.cache_until, limit.scope)
-        if kv.allocate_slots(request, written + num_new, computed) is None:
+        if kv.allocate_slots(request, written + num_new, computed, spare_demanded=spare) is None:
             if limit is not None:
                 kv.limit_caching(request, None)
             return None

@@ -2,7 +2,8 @@
 
 Requests scheduled ahead of a queued one take other free blocks first, so the prefix it was
 routed or assembled to reuse is still there when it is admitted; a demand never keeps a block
-from being handed out when nothing else is free.
+from being handed out when nothing else is free, except that a head the scheduler may pass
+while others run is passed rather than take one.
 """
 
 from __future__ import annotations
@@ -218,3 +219,55 @@ def test_queued_requests_demands_outlast_the_chunk_index_s():
     assert pool.free_block_ids() == [4, 5, 1, 0, 3, 2]
     assert pool.allocate(4) == [4, 5, 1, 0]
     assert pool.demand[2:4] == [1, 1] and pool.recorded[:2] == [0, 0]
+
+
+def _head_and_demander(*, running: bool) -> tuple[Scheduler, Request, Request]:
+    """12 blocks of 4: P's 4 full blocks cached; with ``running``, R (4 blocks) runs. Then B
+    (5 new blocks) is queued ahead of C, which starts with P (4 cached blocks, 1 new)."""
+    kv = KVCacheManager(num_blocks=12 if running else 8, block_size=4)
+    scheduler = Scheduler(kv, DEFAULTS.replace(max_num_seqs=4))
+    prefix = list(range(100, 116))
+    _run_alone(scheduler, _req("p", [*prefix, 1]))
+    if running:
+        r = Request("r", list(range(500, 515)), SamplingParams(max_tokens=8, ignore_eos=True))
+        scheduler.add(r)
+        out = scheduler.schedule()
+        r.num_computed_tokens = out.slices[0].end
+        scheduler.update(out, [7])
+    b = _req("b", list(range(300, 320)))
+    c = _req("c", [*prefix, 7, 8])
+    scheduler.add(b)
+    scheduler.add(c)
+    return scheduler, b, c
+
+
+def test_a_head_is_passed_rather_than_evict_the_prefix_a_queued_request_demands():
+    # 4 blocks are free beside C's demanded prefix, B needs 5: admitting B would take one of
+    # P's. R will free its blocks, so B is passed; C goes first and finds all of P.
+    scheduler, b, c = _head_and_demander(running=True)
+    out = scheduler.schedule()
+    assert [s.request.request_id for s in out.slices] == ["r", "c"]
+    assert c.num_cached_tokens == 16 and b.num_skipped == 1
+    assert list(scheduler.waiting) == [b]
+    r = next(q for q in scheduler.running if q.request_id == "r")
+    scheduler.finish(r, "stop")  # R finishes: B fits
+    assert b in [s.request for s in scheduler.schedule().slices]
+
+
+def test_a_head_takes_demanded_blocks_when_nothing_runs_or_once_passed_too_often():
+    from ragkv.cache_engine.scheduler import MAX_TIMES_SKIPPED
+
+    # Nothing runs: no block will come free by waiting, so B is admitted as before.
+    scheduler, b, c = _head_and_demander(running=False)
+    assert [s.request for s in scheduler.schedule().slices] == [b]
+    assert kv_holds(scheduler, c) == 3  # one of P's blocks went to B
+    # Passed its bounded number of times, the head takes them even while others run.
+    scheduler, b, c = _head_and_demander(running=True)
+    b.num_skipped = MAX_TIMES_SKIPPED
+    assert [s.request.request_id for s in scheduler.schedule().slices] == ["r", "b"]
+    assert kv_holds(scheduler, c) == 3
+
+
+def kv_holds(scheduler: Scheduler, request: Request) -> int:
+    """Blocks of the request's prefix the pool still holds."""
+    return len(scheduler.kv.get_computed_blocks(request, record=False)[0])

@@ -71,10 +71,10 @@ class PoisonedAllocation(KVCacheManager):
 
     poisoned = "bad"
 
-    def allocate_slots(self, request, num_new_tokens, computed_blocks=None):
+    def allocate_slots(self, request, num_new_tokens, computed_blocks=None, **kw):
         if request.request_id == self.poisoned and request.num_computed_tokens:
             raise RuntimeError("simulated allocation fault")
-        return super().allocate_slots(request, num_new_tokens, computed_blocks)
+        return super().allocate_slots(request, num_new_tokens, computed_blocks, **kw)
 
 
 def test_a_running_request_failing_in_its_own_allocation_is_reported_alone():
