@@ -168,3 +168,23 @@ def test_the_script_replays_a_ragpulse_slice_as_ragkv_bench_does(serve_script, t
     assert [(r.system, r.question, [c.text for c in r.chunks]) for r in got] == [
         (r.system, r.question, [c.text for c in r.chunks]) for r in want
     ]
+
+
+def test_repeated_lanes_report_every_run_and_check_the_targets_on_the_medians(
+    serve_script, tiny_model, tiny_bench, small_config
+):
+    config = tiny_bench()
+    workload = synthetic_workload(small_config(requests=4))
+    start = InThreadServers(serve_script, tiny_model, config)
+    report, runs = serve_script.repeated_lanes(
+        workload, config, start, 2, replicas=3, api_key=API_KEY
+    )
+    assert len(runs) == 2 and start.started == start.stopped == 2 * (1 + 3 + 3)
+    assert [r["cached_tokens"] for r in report["repeats"]] == [
+        {name: lane["cached_tokens"] for name, lane in run["lanes"].items()} for run in runs
+    ]
+    spread = report["ratio_spread"]["events_vs_whole_pool"]
+    values = [run["ratios"]["events_vs_whole_pool"] for run in runs]
+    assert spread["min"] == min(values) and spread["max"] == max(values)
+    assert "targets_met_median" in report
+    assert "over 2 runs" in serve_script.format_replica_table(report)
