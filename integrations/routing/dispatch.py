@@ -79,7 +79,7 @@ class Dispatcher:
                     started = True
                     yield delta
             except GeneratorExit:
-                self._release(replica)
+                self._release(replica, route)
                 raise
             except BaseException as exc:
                 self._stream_failed(replica, route, exc, started)
@@ -102,7 +102,7 @@ class Dispatcher:
                     started = True
                     yield delta
             except (GeneratorExit, asyncio.CancelledError):
-                self._release(replica)
+                self._release(replica, route)
                 raise
             except BaseException as exc:
                 self._stream_failed(replica, route, exc, started)
@@ -135,7 +135,7 @@ class Dispatcher:
 
     def _answered(self, replica: Replica, route: Route, output: Output) -> None:
         with self.lock:
-            replica.stats.in_flight -= 1
+            self.selector.leave(replica, route)
             replica.stats.succeeded += 1
             # Not marked healthy here: an answer to a request sent before the replica failed
             # proves nothing about it now; only a probe after the backoff brings it back.
@@ -144,7 +144,7 @@ class Dispatcher:
     def _failed(self, replica: Replica, route: Route, exc: BaseException) -> None:
         """Account a failed attempt; return to try the next replica, else raise ``exc``."""
         with self.lock:
-            replica.stats.in_flight -= 1
+            self.selector.leave(replica, route)
             kind = failure_kind(exc)
             if kind == "replica":
                 replica.stats.failures += 1
@@ -176,7 +176,7 @@ class Dispatcher:
             self._failed(replica, route, exc)
             return
         with self.lock:
-            replica.stats.in_flight -= 1
+            self.selector.leave(replica, route)
             if failure_kind(exc) == "replica":
                 replica.stats.failures += 1
                 self.health.mark_down(replica)
@@ -189,13 +189,13 @@ class Dispatcher:
 
     def _finish_stream(self, replica: Replica, route: Route, output: Output | None) -> None:
         if output is None:  # a stream without a final output: count it, learn nothing
-            self._release(replica, succeeded=True)
+            self._release(replica, route, succeeded=True)
             return
         self._answered(replica, route, output)
 
-    def _release(self, replica: Replica, succeeded: bool = False) -> None:
+    def _release(self, replica: Replica, route: Route, succeeded: bool = False) -> None:
         with self.lock:
-            replica.stats.in_flight -= 1
+            self.selector.leave(replica, route)
             replica.stats.succeeded += int(succeeded)
 
 

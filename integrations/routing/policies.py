@@ -7,32 +7,33 @@ next (failover keeps the policy's order).
 - ``round-robin``: replicas in turn, whatever they hold.
 - ``least-loaded``: fewest requests in flight; ties go round-robin.
 - ``prefix`` (default): the replica believed to hold the longest prefix of the prompt (ties:
-  least loaded, then round-robin), when that prefix is worth following: it must exceed
-  what *every* candidate holds (a system prompt all replicas share says nothing) by at
-  least ``match_threshold`` (1/8) of the prompt's blocks. A request below that is new to
-  all of them and is *spread*: away from a replica that took more than ``SHARE_CAP`` x
-  the mean of the requests routed lately (so new prefixes start where traffic is light,
-  and a replica that hot prefixes keep busy keeps its pool for them), then least loaded,
-  then the replica that would hold least once it took the request (its index size less
-  the blocks it already holds of the prompt: most room, SGLang's "smallest tree", and
-  among equally full replicas the longer match, which costs no balance), then
+  least loaded, then round-robin), when that prefix is worth following: it must exceed what
+  *every* candidate holds (a system prompt all replicas share says nothing) by at least
+  ``match_threshold`` (1/8) of the prompt's blocks. A request below that is new to all of
+  them and is *spread*: first to a replica with *room*, where the prompts in flight and this
+  one fit the pool together (elsewhere its blocks would evict everything the pool holds
+  unpinned, the prefixes of revisits routed there included), then away from a replica that
+  took more than ``SHARE_CAP`` x the mean of the requests routed lately (so new prefixes
+  start where traffic is light, and a replica that hot prefixes keep busy keeps its pool for
+  them), then least loaded, then the replica that would hold least once it took the request
+  (its index size less the blocks it already holds of the prompt: SGLang's "smallest tree",
+  and among equally full replicas the longer match, which costs no balance), then
   round-robin. A *short* match (less than ``LONG_MATCH`` of the prompt beyond what every
-  candidate holds: a system prompt or a document's head that one replica has and the
-  others lack) is spread too when its replica took more than ``FOLLOW_SHARE_CAP`` x that
-  mean: following it would herd every request that starts that way onto one replica,
-  while computing it once elsewhere is cheap and leaves a second copy. A session's
-  previous replica wins (share or not) when it holds a prefix that agrees (at least
-  ``match_threshold`` of the prompt and half of the best match). When the chosen replica
-  has more than ``balance_threshold`` requests in flight beyond the least loaded one, load
-  wins: the ranking becomes the spread order. For a prompt the replica nearly holds
+  candidate holds: a system prompt or a document's head that one replica has and the others
+  lack) is spread too when its replica took more than ``FOLLOW_SHARE_CAP`` x that mean:
+  following it would herd every request that starts that way onto one replica, while
+  computing it once elsewhere is cheap and leaves a second copy. A session's previous
+  replica wins (share or not) when it holds a prefix that agrees (at least
+  ``match_threshold`` of the prompt and half of the best match). When the chosen replica has
+  more than ``balance_threshold`` requests in flight beyond the least loaded one, load wins:
+  the ranking becomes the spread order. For a prompt the replica nearly holds
   (``NEARLY_HELD`` of it beyond what every candidate holds) that guard is twice as wide:
   computing it elsewhere would cost nearly the whole prefill and copy the prefix into a
-  second pool, evicting what that pool held, where waiting costs only queueing.
-  With ``max_load_ratio`` set, the guard is relative instead for a short match, as
-  consistent hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica
-  may hold at most ``ceil(max_load_ratio x`` the mean in flight, this request counted)
-  requests once it takes this one; a long match (a topic's passages) keeps the absolute
-  guard.
+  second pool, evicting what that pool held, where waiting costs only queueing. With
+  ``max_load_ratio`` set, the guard is relative instead for a short match, as consistent
+  hashing with bounded loads does (Mirrokni et al. 2018): the chosen replica may hold at
+  most ``ceil(max_load_ratio x`` the mean in flight, this request counted) requests once it
+  takes this one; a long match (a topic's passages) keeps the absolute guard.
 """
 
 from __future__ import annotations
@@ -62,14 +63,16 @@ FOLLOW_SHARE_CAP = 1.4
 class Candidate:
     """One replica as a policy sees it: its position, requests in flight, matched blocks (a
     medium-weighted count when the replica's KV events say where they are), the size of
-    its index (blocks) and how many requests it was sent lately (``recent``, a decayed
-    count; only its ratio to the other candidates' matters)."""
+    its index (blocks), how many requests it was sent lately (``recent``, a decayed count;
+    only its ratio to the other candidates' matters) and whether the prompt fits its pool
+    beside the prompts in flight there (``room``)."""
 
     position: int
     load: int
     matched: float = 0
     size: int = 0
     recent: float = 0.0
+    room: bool = True
 
 
 def check_max_load_ratio(ratio: float | None) -> float | None:
@@ -123,7 +126,13 @@ def rank(
         c.position
         for c in sorted(
             candidates,
-            key=lambda c: (c.recent > share_cap, c.load, c.size - c.matched, rotation(c)),
+            key=lambda c: (
+                not c.room,
+                c.recent > share_cap,
+                c.load,
+                c.size - c.matched,
+                rotation(c),
+            ),
         )
     ]
     by_prefix = sorted(candidates, key=lambda c: (-c.matched, c.load, rotation(c)))

@@ -32,6 +32,7 @@ class ReplicaStats:
     healthy: bool = True
     requests: int = 0
     in_flight: int = 0
+    in_flight_blocks: int = 0  # the prompt blocks of the requests in flight
     succeeded: int = 0
     failures: int = 0
     failovers: int = 0

@@ -69,6 +69,7 @@ class Route:
     session: tuple[bytes, str] | None
     tried: set[int] = field(default_factory=set)
     predicted: int = 0  # blocks the current attempt's replica was expected to reuse
+    charged: int = 0  # prompt blocks counted in flight on the current attempt's replica
     last_error: BaseException | None = None
     resent: int = 0  # re-sends after a failure that may be the request's own
 
@@ -123,8 +124,11 @@ class Selector:
                 if r.position in route.tried or not r.stats.healthy:
                     continue
                 held[r.position], score, size = _match(r, route.hashes, now)
+                room = r.stats.in_flight_blocks + len(route.hashes) <= r.index.capacity
                 candidates.append(
-                    Candidate(r.position, r.stats.in_flight, score, size, self._recent[r.position])
+                    Candidate(
+                        r.position, r.stats.in_flight, score, size, self._recent[r.position], room
+                    )
                 )
             session = self.sessions.get(route.session) if route.session else None
             settings = self.settings
@@ -150,10 +154,19 @@ class Selector:
             route.predicted = min(held[replica.position], route.max_blocks)
             replica.stats.requests += 1
             replica.stats.in_flight += 1
+            route.charged = len(route.hashes)
+            replica.stats.in_flight_blocks += route.charged
             replica.index.insert(route.hashes, confirmed=False)
             if replica.events is not None:
                 replica.events.index.expect(route.hashes, now + EXPECT_S, now)
             return replica
+
+    def leave(self, replica: Replica, route: Route) -> None:
+        """The attempt on ``replica`` is over (answered, failed or dropped): it is no longer
+        in flight there. Caller holds the lock."""
+        replica.stats.in_flight -= 1
+        replica.stats.in_flight_blocks -= route.charged
+        route.charged = 0
 
     def learn(self, replica: Replica, route: Route, output: Output) -> None:
         """Confirm (or correct) ``replica``'s index from its answer and remember the

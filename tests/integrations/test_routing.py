@@ -8,6 +8,7 @@ switched on per replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 
@@ -184,6 +185,45 @@ def test_a_spread_request_avoids_a_replica_over_its_share_of_recent_requests():
     assert rank("prefix", loaded, **kw)[0] == 1
     # A match worth following (30 of 40 blocks) ignores the share.
     assert rank("prefix", [Candidate(0, 0, 30, recent=30.0), *busy[1:]], **kw)[0] == 0
+
+
+def test_a_spread_request_goes_where_it_fits_beside_the_requests_in_flight():
+    # Replica 1 is the least loaded and within its share, but the prompts in flight there
+    # and this one would not fit its pool together: writing it would evict everything the
+    # pool holds unpinned (a revisit routed there included). Replica 2, over its share,
+    # has room, and the request goes there; room decides before the share and the load.
+    kw = dict(turn=0, num_replicas=3, total_blocks=40)
+    crowded = [Candidate(0, 3, 0, recent=8.0, room=False), Candidate(1, 1, 0, recent=8.0, room=False),
+               Candidate(2, 2, 0, recent=15.0)]  # fmt: skip
+    assert rank("prefix", crowded, **kw)[0] == 2
+    # With room everywhere, or nowhere, the order is as before: share, then load.
+    assert rank("prefix", [dataclasses.replace(c, room=True) for c in crowded], **kw)[0] == 1
+    assert rank("prefix", [dataclasses.replace(c, room=False) for c in crowded], **kw)[0] == 1
+    # A match worth following is followed whatever the room (the pool protects a queued
+    # request's prefix; a follow writes few blocks).
+    follow = [Candidate(0, 0, 30, room=False), *crowded[1:]]
+    assert rank("prefix", follow, **kw)[0] == 0
+
+
+def test_the_blocks_in_flight_on_a_replica_are_counted_until_each_attempt_ends():
+    replicas = [ScriptedReplica(f"r{i}") for i in range(2)]
+    router = ReplicaRouter(replicas, policy="round-robin", index_blocks=10)
+    seen = []
+    real_run = replicas[0]._run
+
+    def run_and_look(prompt, cache_salt):
+        seen.append([r.in_flight_blocks for r in router.stats().replicas])
+        return real_run(prompt, cache_salt)
+
+    replicas[0]._run = run_and_look
+    ask(router, doc(0), 1)  # 27 tokens: 6 full blocks on r0 while it runs
+    assert seen == [[6, 0]]
+    replicas[1].fail = RemoteEngineError("refused", unreachable=True)
+    assert served_by(ask(router, doc(1), 1)) == "r0"  # r1 failed: r0 answered
+    stream = router.stream(doc(2) + [1])
+    next(stream)
+    stream.close()  # a stream dropped early
+    assert [r.in_flight_blocks for r in router.stats().replicas] == [0, 0]
 
 
 def test_a_short_match_is_not_followed_to_a_replica_over_its_share_of_recent_requests():
