@@ -69,7 +69,6 @@ class Route:
     session: tuple[bytes, str] | None
     tried: set[int] = field(default_factory=set)
     predicted: int = 0  # blocks the current attempt's replica was expected to reuse
-    charged: int = 0  # prompt blocks counted in flight on the current attempt's replica
     last_error: BaseException | None = None
     resent: int = 0  # re-sends after a failure that may be the request's own
 
@@ -154,8 +153,7 @@ class Selector:
             route.predicted = min(held[replica.position], route.max_blocks)
             replica.stats.requests += 1
             replica.stats.in_flight += 1
-            route.charged = len(route.hashes)
-            replica.stats.in_flight_blocks += route.charged
+            replica.stats.in_flight_blocks += len(route.hashes)
             replica.index.insert(route.hashes, confirmed=False)
             if replica.events is not None:
                 replica.events.index.expect(route.hashes, now + EXPECT_S, now)
@@ -165,8 +163,7 @@ class Selector:
         """The attempt on ``replica`` is over (answered, failed or dropped): it is no longer
         in flight there. Caller holds the lock."""
         replica.stats.in_flight -= 1
-        replica.stats.in_flight_blocks -= route.charged
-        route.charged = 0
+        replica.stats.in_flight_blocks -= len(route.hashes)
 
     def learn(self, replica: Replica, route: Route, output: Output) -> None:
         """Confirm (or correct) ``replica``'s index from its answer and remember the

@@ -220,6 +220,7 @@ def test_the_blocks_in_flight_on_a_replica_are_counted_until_each_attempt_ends()
     assert seen == [[6, 0]]
     replicas[1].fail = RemoteEngineError("refused", unreachable=True)
     assert served_by(ask(router, doc(1), 1)) == "r0"  # r1 failed: r0 answered
+    assert seen[1] == [6, 0]  # r1's blocks were released before the request moved on
     stream = router.stream(doc(2) + [1])
     next(stream)
     stream.close()  # a stream dropped early
